@@ -1,0 +1,138 @@
+"""The portable KV cache payload: what prefill hands to decode, across processes or hosts.
+
+Plain contiguous arrays plus metadata, so any transport can carry it: Triton tensors
+(`to_tensors`/`from_tensors`), raw bytes (`to_bytes`/`from_bytes`), shared memory.
+Import refuses a payload made for another model, another layout, or one damaged on the way.
+
+Byte format (little endian):
+  magic b"DKV1" | u32 header length | header JSON (utf-8) | K bytes | V bytes
+The header carries the metadata below and a CRC32 of the K and V bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagg.config import ModelArgs
+from disagg.errors import KVPayloadError
+
+LAYOUT_VERSION = 1
+LAYOUT = "L,Hkv,S,D"  # axis order of k and v
+MAGIC = b"DKV1"
+_DTYPES = {"float32": np.float32}
+
+
+@dataclass(frozen=True)
+class KVPayload:
+    fingerprint: str  # ModelArgs.fingerprint of the model that computed it
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_tokens: int  # prompt positions held
+    k: np.ndarray  # [L, H_kv, S, D]
+    v: np.ndarray  # [L, H_kv, S, D]
+    dtype: str = "float32"
+    layout_version: int = LAYOUT_VERSION
+
+    @classmethod
+    def from_arrays(cls, args: ModelArgs, k: np.ndarray, v: np.ndarray) -> KVPayload:
+        return cls(
+            fingerprint=args.fingerprint,
+            num_layers=args.n_layers,
+            num_kv_heads=args.n_kv_heads,
+            head_dim=args.head_dim,
+            num_tokens=k.shape[2],
+            k=np.ascontiguousarray(k, dtype=np.float32),
+            v=np.ascontiguousarray(v, dtype=np.float32),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def metadata(self) -> dict:
+        return {
+            "layout_version": self.layout_version,
+            "layout": LAYOUT,
+            "fingerprint": self.fingerprint,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_tokens": self.num_tokens,
+            "dtype": self.dtype,
+        }
+
+    def check_compatible(self, args: ModelArgs) -> None:
+        """Raise KVPayloadError unless this payload fits a model with `args`."""
+        if self.layout_version != LAYOUT_VERSION:
+            raise KVPayloadError(
+                f"KV payload layout version {self.layout_version}, expected {LAYOUT_VERSION}"
+            )
+        if self.fingerprint != args.fingerprint:
+            raise KVPayloadError(
+                f"KV payload is for model {self.fingerprint[:12]!r}, this engine serves "
+                f"{args.fingerprint[:12]!r}"
+            )
+        want = (args.n_layers, args.n_kv_heads, self.num_tokens, args.head_dim)
+        for name, arr in (("k", self.k), ("v", self.v)):
+            if arr.shape != want or arr.dtype != np.float32:
+                raise KVPayloadError(
+                    f"KV payload {name} is {arr.dtype}{list(arr.shape)}, "
+                    f"expected float32{list(want)}"
+                )
+        if self.num_tokens < 1:
+            raise KVPayloadError("KV payload holds no tokens")
+
+    # ---------------------------------------------------------------- bytes
+
+    def to_bytes(self) -> bytes:
+        kb, vb = self.k.tobytes(), self.v.tobytes()
+        header = {**self.metadata(), "crc32": zlib.crc32(vb, zlib.crc32(kb))}
+        hb = json.dumps(header).encode()
+        return b"".join([MAGIC, struct.pack("<I", len(hb)), hb, kb, vb])
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> KVPayload:
+        data = memoryview(data)
+        if len(data) < 8 or bytes(data[:4]) != MAGIC:
+            raise KVPayloadError("not a KV payload (bad magic)")
+        (hlen,) = struct.unpack("<I", data[4:8])
+        try:
+            header = json.loads(bytes(data[8 : 8 + hlen]))
+            shape = (
+                header["num_layers"],
+                header["num_kv_heads"],
+                header["num_tokens"],
+                header["head_dim"],
+            )
+            dtype = _DTYPES[header["dtype"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise KVPayloadError(f"KV payload header unreadable: {e}") from e
+        if header.get("layout") != LAYOUT:
+            raise KVPayloadError(f"KV payload layout {header.get('layout')!r}, expected {LAYOUT}")
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        body = data[8 + hlen :]
+        if len(body) != 2 * n:
+            raise KVPayloadError(
+                f"KV payload truncated: {len(body)} bytes of K/V, expected {2 * n}"
+            )
+        if zlib.crc32(body) != header.get("crc32"):
+            raise KVPayloadError("KV payload corrupted (CRC mismatch)")
+        k = np.frombuffer(body[:n], dtype=dtype).reshape(shape)
+        v = np.frombuffer(body[n:], dtype=dtype).reshape(shape)
+        return cls(
+            fingerprint=header["fingerprint"],
+            num_layers=shape[0],
+            num_kv_heads=shape[1],
+            num_tokens=shape[2],
+            head_dim=shape[3],
+            k=k,
+            v=v,
+            dtype=header["dtype"],
+            layout_version=header["layout_version"],
+        )

@@ -1,0 +1,233 @@
+"""A Llama-architecture decoder written for serving on CPU.
+
+Two entry points, one per phase:
+  prefill(token_ids)        one sequence, all prompt tokens at once (compute bound);
+                            returns last-position logits and the prompt's K/V.
+  decode(tokens, positions) one new token for each of B sequences (memory bound);
+                            reads and appends K/V in a `KVCacheSlots`.
+
+Weights are fused per layer (QKV in one matrix, gate+up in one) so each phase makes few,
+large matrix products, and are pre-packed once at load into oneDNN's blocked layout:
+on 2 cores its fp32 linear reads the weights 1.5-3x faster than torch's default (MKL)
+path at 1-32 rows, the decode batch sizes, and is no slower for prefill (measured in
+benchmarks/engine_bench.py). Without oneDNN, plain `F.linear` is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from disagg.config import WEIGHTS_FILE, ModelArgs, load_model_args
+from disagg.errors import ConfigError
+
+ATTN_BLOCK = 64
+HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [dim]
+    wqkv: torch.Tensor  # [(H + 2 * H_kv) * D, dim]
+    wo: torch.Tensor  # [dim, H * D]
+    ffn_norm: torch.Tensor  # [dim]
+    w13: torch.Tensor  # [2 * hidden, dim]: gate rows, then up rows
+    w2: torch.Tensor  # [dim, hidden]
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """A weight [out, in] in the layout `linear` reads fastest (oneDNN blocked, if present)."""
+    w = w.contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(w, None) if HAS_ONEDNN else w
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for x: [M, in] and a packed w: [out, in].
+
+    Batch invariant: a row's result does not depend on the other rows. oneDNN takes another
+    path for a single row (different summation order at in=1536), so one row is computed as
+    two; that is no slower, since the weights are read once either way."""
+    if not HAS_ONEDNN:
+        return F.linear(x, w)
+    if x.shape[0] == 1:
+        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), w, None, "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [max_context, D] in HF's `rotate_half` layout (halves repeated), with the
+    sign of rotate_half folded into the first half of sin."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    freqs = torch.outer(torch.arange(args.max_context, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    sin = emb.sin()
+    sin[:, : d // 2] *= -1
+    return emb.cos(), sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [..., D]; cos/sin broadcast to it. rotate_half(x) = [-x2, x1]; the minus is in sin.
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class KVCacheSlots:
+    """Physical K/V storage of a decode engine: one slot of `max_len` positions per sequence.
+
+    k[l], v[l]: [max_slots, H_kv, max_len, D]. Running sequences occupy slots 0..B-1 (the
+    scheduler keeps them compact), so a decode step attends over the view k[l][:B, :, :T]
+    with no gather. Allocated through numpy's calloc: pages cost memory only once written,
+    and unwritten positions read as zeros (never NaN), which masked attention relies on.
+    """
+
+    def __init__(self, args: ModelArgs, max_slots: int, max_len: int) -> None:
+        shape = (args.n_layers, max_slots, args.n_kv_heads, max_len, args.head_dim)
+        self.k = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+        self.v = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+        self.max_slots = max_slots
+        self.max_len = max_len
+
+    def write(self, slot: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store a sequence's K/V ([L, H_kv, S, D]) at positions 0..S-1 of `slot`.
+        Through numpy: a payload's arrays may be read-only views of received bytes."""
+        n = k.shape[2]
+        self.k.numpy()[:, slot, :, :n] = k
+        self.v.numpy()[:, slot, :, :n] = v
+
+    def read(self, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of a slot's first `num_tokens` positions: k, v [L, H_kv, S, D]."""
+        return (
+            self.k[:, slot, :, :num_tokens].clone(),
+            self.v[:, slot, :, :num_tokens].clone(),
+        )
+
+    def move(self, src: int, dst: int, num_tokens: int) -> None:
+        self.k[:, dst, :, :num_tokens] = self.k[:, src, :, :num_tokens]
+        self.v[:, dst, :, :num_tokens] = self.v[:, src, :, :num_tokens]
+
+
+class Llama:
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor]) -> None:
+        self.args = args
+        self.embed = weights["model.embed_tokens.weight"]  # [V, dim]
+        self.lm_head = pack(self.embed if args.tie_embeddings else weights["lm_head.weight"])
+        self.norm = weights["model.norm.weight"]
+        self.layers = [self._fuse(weights, i) for i in range(args.n_layers)]
+        self.cos, self.sin = rope_tables(args)
+        self.scale = args.head_dim**-0.5
+
+    @staticmethod
+    def _fuse(w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        return LayerWeights(
+            attn_norm=w[p + "input_layernorm.weight"],
+            wqkv=pack(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
+            wo=pack(w[p + "self_attn.o_proj.weight"]),
+            ffn_norm=w[p + "post_attention_layernorm.weight"],
+            w13=pack(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+            w2=pack(w[p + "mlp.down_proj.weight"]),
+        )
+
+    @classmethod
+    def load(cls, engine_dir: str | Path) -> Llama:
+        from safetensors.torch import load_file
+
+        args = load_model_args(engine_dir)
+        path = Path(engine_dir) / WEIGHTS_FILE
+        if not path.is_file():
+            raise ConfigError(f"{path} not found: rebuild the engine")
+        weights = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
+        return cls(args, weights)
+
+    # ------------------------------------------------------------ shared pieces
+
+    def _qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: [M, dim] -> q [M, H, D], k/v [M, H_kv, D], with RoPE applied to q and k."""
+        a = self.args
+        h = rms_norm(x, layer.attn_norm, a.norm_eps)
+        qkv = linear(h, layer.wqkv)  # [M, (H + 2 H_kv) D]
+        qk, v = qkv.split([(a.n_heads + a.n_kv_heads) * a.head_dim, a.n_kv_heads * a.head_dim], -1)
+        qk = apply_rope(qk.view(-1, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin)
+        q, k = qk.split([a.n_heads, a.n_kv_heads], dim=1)
+        return q, k, v.view(-1, a.n_kv_heads, a.head_dim)
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, layer.ffn_norm, self.args.norm_eps)
+        gate, up = linear(h, layer.w13).chunk(2, dim=-1)  # [M, hidden] each
+        return linear(F.silu(gate) * up, layer.w2)
+
+    # ------------------------------------------------------------ prefill
+
+    @torch.inference_mode()
+    def prefill(
+        self, token_ids: list[int], all_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run a whole prompt. Returns logits ([V], or [S, V] with `all_logits`) and the
+        prompt's K/V, each [L, H_kv, S, D] (contiguous: it becomes the KV payload)."""
+        a = self.args
+        s = len(token_ids)
+        cos, sin = self.cos[:s, None, :], self.sin[:s, None, :]  # [S, 1, D]
+        k_out = torch.empty(a.n_layers, a.n_kv_heads, s, a.head_dim)
+        v_out = torch.empty_like(k_out)
+        x = self.embed[torch.tensor(token_ids)]  # [S, dim]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            k_out[i], v_out[i] = k.transpose(0, 1), v.transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k_out[i][None],
+                v_out[i][None],
+                is_causal=True,
+                enable_gqa=True,
+                scale=self.scale,
+            )  # [1, H, S, D]
+            x = x + linear(o[0].transpose(0, 1).reshape(s, -1), layer.wo)
+            x = x + self._mlp(layer, x)
+        last = x if all_logits else x[-1:]
+        logits = linear(rms_norm(last, self.norm, a.norm_eps), self.lm_head)
+        return (logits if all_logits else logits[0]), k_out, v_out
+
+    # ------------------------------------------------------------ decode
+
+    @torch.inference_mode()
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCacheSlots
+    ) -> torch.Tensor:
+        """One step for B sequences in slots 0..B-1.
+
+        tokens: [B] int64, the newest token of each sequence (not yet in the cache);
+        positions: [B] int64, where that token goes (= tokens already cached).
+        Returns logits [B, V]."""
+        a = self.args
+        b = tokens.shape[0]
+        # Attend over positions 0..t-1, t rounded up to a multiple of ATTN_BLOCK: reductions
+        # over t then see whole blocks of exact zeros past each sequence's end, so a
+        # sequence's result is the same alone or beside longer ones (batch invariance).
+        t = min(-(-(int(positions.max()) + 1) // ATTN_BLOCK) * ATTN_BLOCK, cache.max_len)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [B, 1, D]
+        rows = torch.arange(b)
+        # mask: [B, 1, 1, T], -inf past each sequence's own length
+        mask = torch.zeros(b, 1, 1, t)
+        mask.masked_fill_((torch.arange(t) > positions[:, None])[:, None, None, :], float("-inf"))
+        x = self.embed[tokens]  # [B, dim]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, cos, sin)
+            kc, vc = cache.k[i], cache.v[i]  # [slots, H_kv, max_len, D]
+            kc[rows, :, positions] = k
+            vc[rows, :, positions] = v
+            qg = q.view(b, a.n_kv_heads, a.n_groups, a.head_dim)  # query heads grouped by KV head
+            scores = qg @ kc[:b, :, :t].transpose(-1, -2)  # [B, H_kv, G, T]
+            probs = torch.softmax(scores * self.scale + mask, dim=-1)
+            o = (probs @ vc[:b, :, :t]).reshape(b, -1)  # [B, H * D]
+            x = x + linear(o, layer.wo)
+            x = x + self._mlp(layer, x)
+        return linear(rms_norm(x, self.norm, a.norm_eps), self.lm_head)

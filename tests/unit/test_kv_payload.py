@@ -1,0 +1,74 @@
+import numpy as np
+import pytest
+
+from disagg.config import ModelArgs
+from disagg.errors import KVPayloadError
+from disagg.kv_payload import KVPayload
+
+pytestmark = pytest.mark.unit
+
+ARGS = ModelArgs(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=128,
+    vocab_size=100,
+    fingerprint="f" * 64,
+)
+
+
+def payload(num_tokens: int = 5, args: ModelArgs = ARGS) -> KVPayload:
+    rng = np.random.default_rng(0)
+    shape = (args.n_layers, args.n_kv_heads, num_tokens, args.head_dim)
+    return KVPayload.from_arrays(
+        args,
+        rng.standard_normal(shape, dtype=np.float32),
+        rng.standard_normal(shape, dtype=np.float32),
+    )
+
+
+def test_bytes_round_trip_is_exact():
+    p = payload()
+    q = KVPayload.from_bytes(p.to_bytes())
+    assert q.metadata() == p.metadata()
+    np.testing.assert_array_equal(q.k, p.k)
+    np.testing.assert_array_equal(q.v, p.v)
+    q.check_compatible(ARGS)
+    assert p.nbytes == 2 * 2 * 2 * 5 * 16 * 4
+
+
+def test_corrupted_byte_is_detected():
+    data = bytearray(payload().to_bytes())
+    data[-7] ^= 0x40
+    with pytest.raises(KVPayloadError, match="CRC"):
+        KVPayload.from_bytes(bytes(data))
+
+
+def test_truncated_and_junk_payloads_are_refused():
+    data = payload().to_bytes()
+    with pytest.raises(KVPayloadError, match="truncated"):
+        KVPayload.from_bytes(data[:-4])
+    with pytest.raises(KVPayloadError, match="magic"):
+        KVPayload.from_bytes(b"hello world")
+    with pytest.raises(KVPayloadError, match="header"):
+        KVPayload.from_bytes(data[:8] + b"{not json" + data[17:])
+
+
+def test_payload_for_another_model_is_refused():
+    other = ModelArgs(**{**ARGS.to_json(), "fingerprint": "0" * 64})
+    with pytest.raises(KVPayloadError, match="is for model"):
+        payload().check_compatible(other)
+
+
+def test_payload_with_another_shape_is_refused():
+    more_layers = ModelArgs(**{**ARGS.to_json(), "n_layers": 3})
+    with pytest.raises(KVPayloadError, match="expected float32"):
+        payload().check_compatible(more_layers)
+
+
+def test_payload_with_another_layout_version_is_refused():
+    p = payload()
+    newer = KVPayload(**{**p.__dict__, "layout_version": 99})
+    with pytest.raises(KVPayloadError, match="layout version"):
+        newer.check_compatible(ARGS)
