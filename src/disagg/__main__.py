@@ -1,0 +1,5 @@
+import sys
+
+from disagg.cli import main
+
+sys.exit(main())

@@ -1,0 +1,246 @@
+"""Prefill and decode engines: the two halves of a request, runnable in different processes.
+
+PrefillEngine.prefill(request)  -> PrefillResult (first token + portable KV payload)
+DecodeEngine.add_request(...)    a sequence joins, with an imported KV payload
+                                 (disaggregated) or with prompt ids (co-located: it
+                                 prefills the sequence itself when admitting it)
+DecodeEngine.step()              -> TokenOutputs; the loop is schedule / run / postprocess
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from disagg.config import EngineConfig, ModelArgs
+from disagg.errors import ConfigError, RequestError
+from disagg.kv_payload import KVPayload
+from disagg.model import KVCacheSlots, Llama
+from disagg.sampling import sample_batch, sample_one
+from disagg.scheduler import Scheduler, SlotMove
+from disagg.sequence import FinishReason, SamplingParams, Sequence
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What prefill hands to decode (the orchestrator streams `first_token` at once)."""
+
+    request_id: str
+    first_token: int  # output token 0, sampled with (seed, 0)
+    kv: KVPayload  # the prompt's K/V: num_tokens == num_prompt_tokens
+    seed: int  # effective seed, so decode continues the same random stream
+    prefill_time_s: float
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One event of a decode step for one request."""
+
+    request_id: str
+    token_id: int | None  # None: the sequence ended without producing a token this step
+    index: int  # position of token_id in the output (0 = first token)
+    finish_reason: FinishReason | None  # set on the request's last event
+
+
+def resolve_seed(params: SamplingParams) -> int:
+    return params.seed if params.seed is not None else secrets.randbits(63)
+
+
+def validate_request(
+    args: ModelArgs, config: EngineConfig, prompt_ids: list[int], params: SamplingParams
+) -> None:
+    """Everything a request can get wrong, checked before any work is done for it."""
+    if not prompt_ids:
+        raise RequestError("prompt is empty")
+    if len(prompt_ids) >= config.max_model_len:
+        raise RequestError(
+            f"prompt has {len(prompt_ids)} tokens; the context limit is "
+            f"{config.max_model_len} (prompt + output)"
+        )
+    if any(not 0 <= t < args.vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be in [0, {args.vocab_size})")
+    params.validate(args.vocab_size, config.max_tokens_limit)
+    if len(prompt_ids) + params.max_tokens > config.max_model_len:
+        raise RequestError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"the context limit of {config.max_model_len} tokens"
+        )
+
+
+class PrefillEngine:
+    def __init__(self, model: Llama, config: EngineConfig) -> None:
+        self.model = model
+        self.config = config
+
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> PrefillResult:
+        validate_request(self.model.args, self.config, prompt_ids, params)
+        start = time.perf_counter()
+        logits, k, v = self.model.prefill(prompt_ids)
+        seed = resolve_seed(params)
+        first = sample_one(logits, params, seed, 0)
+        kv = KVPayload.from_arrays(self.model.args, k.numpy(), v.numpy())
+        return PrefillResult(request_id, first, kv, seed, time.perf_counter() - start)
+
+
+class DecodeEngine:
+    """Continuous-batching decode over one model. Thread-safe for add/finish from other
+    threads while one thread calls `step()`."""
+
+    def __init__(self, model: Llama, config: EngineConfig, eos_token_ids: set[int]) -> None:
+        if config.max_model_len > model.args.max_context:
+            raise ConfigError(
+                f"max_model_len {config.max_model_len} exceeds the engine's max_context "
+                f"{model.args.max_context}; rebuild the engine with a larger --max-context"
+            )
+        self.model = model
+        self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.scheduler = Scheduler(config)
+        self.cache = KVCacheSlots(model.args, config.max_num_seqs, config.max_model_len)
+        self._seqs: dict[str, Sequence] = {}
+        self._finish_requests: dict[str, FinishReason] = {}
+        self._prompts: dict[str, list[int]] = {}  # co-located requests awaiting prefill
+        self._lock = threading.Lock()
+        self.num_steps = 0
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        *,
+        prompt_ids: list[int] | None = None,
+        prefill: PrefillResult | None = None,
+    ) -> None:
+        """Queue a sequence: with `prefill` (its KV imported) or `prompt_ids` (prefilled
+        here). Raises RequestError for bad input, CapacityError when the queue is full."""
+        if (prompt_ids is None) == (prefill is None):
+            raise RequestError("give exactly one of prompt_ids and a prefill result")
+        if prefill is not None:
+            prefill.kv.check_compatible(self.model.args)
+            prompt_len, output, seed = prefill.kv.num_tokens, [prefill.first_token], prefill.seed
+        else:
+            validate_request(self.model.args, self.config, prompt_ids, params)
+            prompt_len, output, seed = len(prompt_ids), [], resolve_seed(params)
+        params.validate(self.model.args.vocab_size, self.config.max_tokens_limit)
+        seq = Sequence(
+            request_id,
+            prompt_len,
+            output,
+            params,
+            seed,
+            self.eos_token_ids,
+            pending_kv=prefill.kv if prefill else None,
+        )
+        with self._lock:
+            if request_id in self._seqs:
+                raise RequestError(f"request id {request_id!r} is already in flight")
+            self.scheduler.add(seq)
+            self._seqs[request_id] = seq
+            if prompt_ids is not None:
+                self._prompts[request_id] = list(prompt_ids)
+
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End a request at the next step (client cancel, stop string seen downstream)."""
+        with self._lock:
+            if request_id in self._seqs:
+                self._finish_requests[request_id] = reason
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def stats(self) -> dict[str, int]:
+        bm = self.scheduler.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_kv_blocks_used": bm.num_used_blocks,
+            "num_kv_blocks_total": bm.num_blocks,
+            "kv_bytes_reserved": bm.num_used_blocks
+            * bm.block_size
+            * self.model.args.kv_bytes_per_token,
+            "num_steps": self.num_steps,
+        }
+
+    # ---------------------------------------------------------------- the loop
+
+    def step(self) -> list[TokenOutput]:
+        outputs: list[TokenOutput] = []
+        with self._lock:
+            for rid, reason in list(self._finish_requests.items()):
+                self._finish(self._seqs[rid], reason, outputs)
+            self._finish_requests.clear()
+            admitted = self.scheduler.schedule()
+        done = [seq for seq in admitted if self._admit(seq, outputs)]
+        with self._lock:
+            for seq in done:
+                self._finish(seq, self.scheduler.stop_reason(seq), outputs, announced=True)
+        running = list(self.scheduler.running)
+        if not running:
+            return outputs
+        tokens = torch.tensor([s.last_token for s in running])
+        positions = torch.tensor([s.num_cached_tokens for s in running])
+        logits = self.model.decode(tokens, positions, self.cache)  # [B, V]
+        new = sample_batch(
+            logits,
+            [s.params for s in running],
+            [s.seed for s in running],
+            [len(s.output_ids) for s in running],
+        )
+        self.num_steps += 1
+        with self._lock:
+            done = dict(self.scheduler.postprocess(running, new))
+            for seq, token in zip(running, new, strict=True):
+                reason = done.get(seq)
+                outputs.append(TokenOutput(seq.request_id, token, len(seq.output_ids) - 1, reason))
+            for seq, reason in done.items():
+                self._finish(seq, reason, outputs, announced=True)
+        return outputs
+
+    def _admit(self, seq: Sequence, outputs: list[TokenOutput]) -> bool:
+        """Write the sequence's prompt K/V into its slot (prefilling it here if it came
+        without). Returns True if its first token already ends it."""
+        if seq.pending_kv is not None:
+            kv: KVPayload = seq.pending_kv
+            self.cache.write(seq.slot, kv.k, kv.v)
+            seq.pending_kv = None
+            reason = self.scheduler.stop_reason(seq)  # the imported first token may end it
+            if reason is not None:
+                outputs.append(TokenOutput(seq.request_id, None, len(seq.output_ids), reason))
+        else:
+            prompt = self._prompts.pop(seq.request_id)
+            logits, k, v = self.model.prefill(prompt)
+            self.cache.write(seq.slot, k.numpy(), v.numpy())
+            first = sample_one(logits, seq.params, seq.seed, 0)
+            seq.output_ids.append(first)
+            reason = self.scheduler.stop_reason(seq)
+            outputs.append(TokenOutput(seq.request_id, first, 0, reason))
+        return reason is not None
+
+    def _finish(
+        self,
+        seq: Sequence,
+        reason: FinishReason | None,
+        outputs: list[TokenOutput],
+        announced: bool = False,
+    ) -> None:
+        """Take a sequence out (caller holds the lock) and keep the KV slots compact."""
+        assert reason is not None
+        if seq.is_finished:
+            return
+        move: SlotMove | None = self.scheduler.finish(seq, reason)
+        if move is not None:
+            self.cache.move(move.src, move.dst, move.num_tokens)
+        self._seqs.pop(seq.request_id, None)
+        self._prompts.pop(seq.request_id, None)
+        self._finish_requests.pop(seq.request_id, None)
+        if not announced:
+            outputs.append(TokenOutput(seq.request_id, None, len(seq.output_ids), reason))

@@ -1,0 +1,108 @@
+"""Request-side contracts: sampling parameters and the life of one sequence in decode."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from disagg.errors import RequestError
+
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # end-of-sequence token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    seed: int | None = None  # None: a random seed is drawn per request
+    stop_token_ids: tuple[int, ...] = ()  # finish on these, besides the model's EOS
+    stop: tuple[str, ...] = ()  # finish when the text contains one; it is not returned
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int, max_tokens_limit: int) -> None:
+        """Raise RequestError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= max_tokens_limit:
+            raise RequestError(
+                f"max_tokens must be in [1, {max_tokens_limit}], got {self.max_tokens!r}"
+            )
+        if not (
+            isinstance(self.temperature, (int, float))
+            and math.isfinite(self.temperature)
+            and 0.0 <= self.temperature <= 100.0
+        ):
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED
+        ):
+            raise RequestError(f"seed must be an integer in [0, 2**63-1], got {self.seed!r}")
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab_size})")
+        if len(self.stop) > MAX_STOP_STRINGS or any(
+            not isinstance(s, str) or not s for s in self.stop
+        ):
+            raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for a decode slot
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside a decode engine.
+
+    The newest token is not yet in the KV cache: the next decode step feeds it at
+    position `num_cached_tokens` and samples the token after it."""
+
+    request_id: str
+    prompt_len: int
+    output_ids: list[int]  # sampled so far; starts with prefill's first token
+    params: SamplingParams
+    seed: int  # effective seed (params.seed, or one drawn at admission)
+    eos_token_ids: frozenset[int] = frozenset()
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int = -1  # decode slot while RUNNING
+    finish_reason: FinishReason | None = None
+    # prefill output waiting to be written into the slot when the sequence is admitted
+    pending_kv: object | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.num_tokens - 1
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def max_num_tokens(self) -> int:
+        """KV positions this sequence may ever need (reserved at admission)."""
+        return self.prompt_len + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
