@@ -15,6 +15,7 @@ benchmarks/engine_bench.py). Without oneDNN, plain `F.linear` is used.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,30 +33,55 @@ HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [dim]
-    wqkv: torch.Tensor  # [(H + 2 * H_kv) * D, dim]
-    wo: torch.Tensor  # [dim, H * D]
+    wqkv: Linear  # [(H + 2 * H_kv) * D, dim]
+    wo: Linear  # [dim, H * D]
     ffn_norm: torch.Tensor  # [dim]
-    w13: torch.Tensor  # [2 * hidden, dim]: gate rows, then up rows
-    w2: torch.Tensor  # [dim, hidden]
+    w13: Linear  # [2 * hidden, dim]: gate rows, then up rows
+    w2: Linear  # [dim, hidden]
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class Linear:
     """A weight [out, in] in the layout `linear` reads fastest (oneDNN blocked, if present)."""
-    w = w.contiguous()
-    return torch.ops.mkldnn._reorder_linear_weight(w, None) if HAS_ONEDNN else w
+
+    weight: torch.Tensor
+    pad_one_row: bool = False  # compute a single row as two rows (see `linear`)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T for x: [M, in] and a packed w: [out, in].
-
-    Batch invariant: a row's result does not depend on the other rows. oneDNN takes another
-    path for a single row (different summation order at in=1536), so one row is computed as
-    two; that is no slower, since the weights are read once either way."""
-    if not HAS_ONEDNN:
-        return F.linear(x, w)
-    if x.shape[0] == 1:
-        return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), w, None, "none", [], "")[:1]
+def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+@functools.cache
+def _one_row_differs(shape: tuple[int, int]) -> bool:
+    """Does oneDNN give one row another result alone than beside a second row? It takes
+    another kernel for M=1 at some shapes (seen here for in=1536): probe once per shape."""
+    w = _onednn_pack(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(2, shape[1], generator=torch.Generator().manual_seed(1))
+    return not torch.equal(_onednn(x[:1], w)[0], _onednn(x, w)[0])
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+
+
+def pack(w: torch.Tensor) -> Linear:
+    if not HAS_ONEDNN:
+        return Linear(w.contiguous())
+    return Linear(_onednn_pack(w), _one_row_differs(tuple(w.shape)))
+
+
+def linear(x: torch.Tensor, lin: Linear) -> torch.Tensor:
+    """x @ w.T for x: [M, in].
+
+    Batch invariant: a row's result does not depend on the other rows, so a sequence decodes
+    to the same tokens alone or in any batch. Where oneDNN's single-row kernel sums in
+    another order, one row is computed as two (the weights are still read once)."""
+    if not HAS_ONEDNN:
+        return F.linear(x, lin.weight)
+    if lin.pad_one_row and x.shape[0] == 1:
+        return _onednn(x.expand(2, -1), lin.weight)[:1]
+    return _onednn(x, lin.weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
