@@ -83,7 +83,7 @@ class PrefillEngine:
         start = time.perf_counter()
         logits, k, v = self.model.prefill(prompt_ids)
         seed = resolve_seed(params)
-        first = sample_one(logits, params, seed, 0)
+        first = sample_one(logits, params, seed, [])
         kv = KVPayload.from_arrays(self.model.args, k.numpy(), v.numpy())
         return PrefillResult(request_id, first, kv, seed, time.perf_counter() - start)
 
@@ -193,7 +193,7 @@ class DecodeEngine:
             logits,
             [s.params for s in running],
             [s.seed for s in running],
-            [len(s.output_ids) for s in running],
+            [s.output_ids for s in running],
         )
         self.num_steps += 1
         with self._lock:
@@ -219,7 +219,7 @@ class DecodeEngine:
             prompt = self._prompts.pop(seq.request_id)
             logits, k, v = self.model.prefill(prompt)
             self.cache.write(seq.slot, k.numpy(), v.numpy())
-            first = sample_one(logits, seq.params, seq.seed, 0)
+            first = sample_one(logits, seq.params, seq.seed, [])
             seq.output_ids.append(first)
             reason = self.scheduler.stop_reason(seq)
             outputs.append(TokenOutput(seq.request_id, first, 0, reason))

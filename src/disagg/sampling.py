@@ -19,8 +19,22 @@ def token_generator(seed: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed + index * _MIX) % (2**63))
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, seed: int, index: int) -> int:
-    """logits: [V] float32 -> one token id."""
+def banned_tokens(params: SamplingParams, history: list[int]) -> list[int]:
+    """Last tokens of the bad words whose other tokens the output has just produced."""
+    banned = []
+    for word in params.bad_words_ids:
+        prefix = list(word[:-1])
+        if not prefix or history[-len(prefix) :] == prefix:
+            banned.append(word[-1])
+    return banned
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, seed: int, history: list[int]) -> int:
+    """logits: [V] float32 -> one token id. `history`: the output so far (its length is the
+    index of the token drawn now)."""
+    index = len(history)
+    if params.bad_words_ids and (banned := banned_tokens(params, history)):
+        logits = logits.index_fill(0, torch.tensor(banned), float("-inf"))
     if params.is_greedy:
         return int(logits.argmax())
     scaled = logits / params.temperature
@@ -38,11 +52,16 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, seed: int, index: i
 
 
 def sample_batch(
-    logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    seeds: list[int],
+    histories: list[list[int]],
 ) -> list[int]:
-    """logits: [B, V]. Greedy rows share one argmax; sampled rows draw one by one."""
+    """logits: [B, V]. Plain greedy rows share one argmax; the others draw one by one."""
     greedy = logits.argmax(-1).tolist()
     return [
-        greedy[b] if p.is_greedy else sample_one(logits[b], p, seeds[b], indices[b])
+        greedy[b]
+        if p.is_greedy and not p.bad_words_ids
+        else sample_one(logits[b], p, seeds[b], histories[b])
         for b, p in enumerate(params)
     ]

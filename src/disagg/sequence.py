@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # finish on these, besides the model's EOS
     stop: tuple[str, ...] = ()  # finish when the text contains one; it is not returned
     ignore_eos: bool = False
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
 
     @property
     def is_greedy(self) -> bool:
@@ -59,6 +60,13 @@ class SamplingParams:
             not isinstance(s, str) or not s for s in self.stop
         ):
             raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+        if len(self.bad_words_ids) > MAX_STOP_STRINGS or any(
+            not w or any(not isinstance(t, int) or not 0 <= t < vocab_size for t in w)
+            for w in self.bad_words_ids
+        ):
+            raise RequestError(
+                f"bad_words must be at most {MAX_STOP_STRINGS} non-empty token sequences"
+            )
 
 
 class SequenceStatus(enum.Enum):
