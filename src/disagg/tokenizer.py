@@ -60,6 +60,21 @@ class Tokenizer:
             eos_token=self.eos_token or "",
         )
 
+    def encode_prompt(
+        self, text: str = "", messages_json: str = "", chat: bool = False
+    ) -> list[int]:
+        """A request's prompt: JSON chat messages if given, else the text (as a user turn with
+        `chat`, raw otherwise, as TensorRT-LLM's preprocessing does)."""
+        if messages_json:
+            try:
+                messages = json.loads(messages_json)
+            except ValueError as e:
+                raise RequestError(f"messages is not valid JSON: {e}") from e
+            return self.encode_chat(messages)
+        if chat:
+            return self.encode_chat([{"role": "user", "content": text}])
+        return self.encode(text)
+
     def encode_chat(self, messages: list[Message]) -> list[int]:
         # The template writes any BOS itself; the text is encoded without adding another.
         return self._tok.encode(self.apply_chat_template(messages), add_special_tokens=False).ids

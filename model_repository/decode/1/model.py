@@ -1,0 +1,68 @@
+"""decode (decoupled): continuous batching over every request reaching this instance, one
+response per new token. Takes a KV payload from prefill, or prompt ids (then it prefills
+itself: the co-located mode, and the fallback when the prefill pool fails)."""
+
+import os
+import uuid
+from pathlib import Path
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from disagg.cancel import CancelRegistry
+from disagg.config import EngineConfig
+from disagg.engine import DecodeEngine
+from disagg.model import Llama
+from disagg.tokenizer import Tokenizer
+from disagg.triton import pb
+from disagg.triton import protocol as P
+from disagg.triton.decode_service import DecodeService
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = pb.model_parameters(args)
+        if int(p.get("torch_threads", "0")) > 0:
+            torch.set_num_threads(int(p["torch_threads"]))
+        config = EngineConfig(
+            max_num_seqs=int(p["max_num_seqs"]),
+            max_model_len=int(p["max_model_len"]),
+            max_tokens_limit=int(p["max_tokens_limit"]),
+        )
+        eos = {Tokenizer(p["engine_dir"]).eos_token_id} - {None}
+        engine = DecodeEngine(Llama.load(p["engine_dir"]), config, eos)
+        cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        self.metric_family = family = pb_utils.MetricFamily(  # must outlive its metrics
+            name="disagg_decode_active_sequences",
+            description="Sequences in the decode engine (running + waiting for a slot)",
+            kind=pb_utils.MetricFamily.GAUGE,
+        )
+        self.active = family.Metric(labels=labels)
+        self.service = DecodeService(engine, cancels, on_step=self._on_step).start()
+        self.pid = os.getpid()
+
+    def _on_step(self, stats):
+        self.active.set(stats["num_running"] + stats["num_waiting"])
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                rid = request.request_id() or uuid.uuid4().hex
+                f = pb.read_fields(request, {P.SAMPLING: "str"}, batched=False)
+                params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
+                prefill, prompt_ids = pb.read_kv_handoff(request, rid)
+                self.service.submit(
+                    rid,
+                    params,
+                    pb.SenderSink(sender, self.pid),
+                    prefill=prefill,
+                    prompt_ids=prompt_ids,
+                )
+            except Exception as e:
+                sender.send(pb.error_response(e), flags=pb.FINAL)
+        return None
+
+    def finalize(self):
+        self.service.stop()

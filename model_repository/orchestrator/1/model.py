@@ -1,0 +1,85 @@
+"""orchestrator (BLS, decoupled): prefill pool -> first token streamed at once -> decode pool
+with the KV payload -> tokens streamed as text. Falls back to decode's own prefill when the
+prefill pool fails or times out. Requests run concurrently on a thread pool."""
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from disagg.cancel import CancelRegistry
+from disagg.config import EngineConfig, load_model_args
+from disagg.tokenizer import Tokenizer
+from disagg.triton import pb
+from disagg.triton import protocol as P
+from disagg.triton.orchestrator import Orchestrator, build_request
+
+INPUTS = {
+    P.INPUT_IDS: "ints",
+    P.TEXT_INPUT: "str",
+    P.MAX_TOKENS: "int",
+    P.STREAM: "bool",
+    P.TEMPERATURE: "float",
+    P.TOP_K: "int",
+    P.TOP_P: "float",
+    P.SEED: "int",
+    P.STOP_WORDS: "strs",
+    P.BAD_WORDS: "strs",
+    P.END_ID: "int",
+    P.PAD_ID: "int",
+    P.EXCLUDE_INPUT_IN_OUTPUT: "bool",
+    P.RETURN_NUM_INPUT_TOKENS: "bool",
+    P.RETURN_NUM_OUTPUT_TOKENS: "bool",
+}
+log = logging.getLogger("disagg.orchestrator")
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = pb.model_parameters(args)
+        self.batched = True  # max_batch_size > 0: tensors carry a batch dimension of 1
+        self.tokenizer = Tokenizer(p["engine_dir"])
+        self.max_tokens_default = int(p["max_tokens_default"])
+        config = EngineConfig(
+            max_model_len=int(p["max_model_len"]), max_tokens_limit=int(p["max_tokens_limit"])
+        )
+        cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
+        self.orchestrator = Orchestrator(
+            self.tokenizer,
+            load_model_args(p["engine_dir"]),
+            config,
+            prefill_pool=pb.BlsPrefillPool(p["prefill_model"], float(p["prefill_timeout_s"])),
+            decode_pool=pb.BlsDecodePool(p["decode_model"], cancels),
+            mode=p["mode"],
+        )
+        self.workers = ThreadPoolExecutor(int(p["max_concurrency"]), "orchestrator")
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                fields = pb.read_fields(request, INPUTS, self.batched)
+                req = build_request(fields, self.tokenizer, self.max_tokens_default)
+                self.orchestrator.check_request(req)
+            except Exception as e:
+                sender.send(pb.error_response(e), flags=pb.FINAL)
+                continue
+            self.workers.submit(self._run, req, sender)
+        return None
+
+    def _run(self, req, sender):
+        try:
+            final = self.orchestrator.run(
+                req,
+                emit=lambda reply: sender.send(pb.reply_response(reply, self.batched)),
+                is_cancelled=sender.is_cancelled,
+            )
+            sender.send(pb.reply_response(final, self.batched), flags=pb.FINAL)
+        except Exception as e:
+            log.warning("request %s failed: %s", req.request_id, e)
+            try:
+                sender.send(pb.error_response(e), flags=pb.FINAL)
+            except Exception:
+                log.exception("request %s: could not report the failure", req.request_id)
+
+    def finalize(self):
+        self.workers.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,54 @@
+"""prefill: prompt ids -> first token + KV payload. Each instance is one process of the pool."""
+
+import os
+import time
+
+import numpy as np
+import torch
+import triton_python_backend_utils as pb_utils
+
+from disagg.config import EngineConfig
+from disagg.engine import PrefillEngine
+from disagg.model import Llama
+from disagg.sequence import SamplingParams
+from disagg.triton import pb
+from disagg.triton import protocol as P
+
+INPUTS = {P.PROMPT_IDS: "ints", P.SAMPLING: "str"}
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = pb.model_parameters(args)
+        if int(p.get("torch_threads", "0")) > 0:
+            torch.set_num_threads(int(p["torch_threads"]))
+        config = EngineConfig(
+            max_model_len=int(p["max_model_len"]), max_tokens_limit=int(p["max_tokens_limit"])
+        )
+        self.engine = PrefillEngine(Llama.load(p["engine_dir"]), config)
+        self.engine.prefill("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=1))
+        self.pid = os.getpid()
+
+    def execute(self, requests):
+        return [self._prefill(r) for r in requests]
+
+    def _prefill(self, request):
+        try:
+            f = pb.read_fields(request, INPUTS, batched=False)
+            params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
+            start = time.perf_counter()
+            result = self.engine.prefill(request.request_id(), f.get(P.PROMPT_IDS, []), params)
+            payload = np.frombuffer(result.kv.to_bytes(), dtype=np.uint8)
+            return pb_utils.InferenceResponse(
+                [
+                    pb.tensor(P.FIRST_TOKEN, [result.first_token], np.int32),
+                    pb.tensor(P.RESOLVED_SEED, [result.seed], np.uint64),
+                    pb_utils.Tensor(P.KV_PAYLOAD, payload),
+                    pb.tensor(P.WORKER_PID, [self.pid], np.int32),
+                    pb.tensor(
+                        P.PREFILL_TIME_US, [int((time.perf_counter() - start) * 1e6)], np.int64
+                    ),
+                ]
+            )
+        except Exception as e:
+            return pb.error_response(e)

@@ -1,0 +1,39 @@
+"""Cancellation that reaches another process: a directory of marker files.
+
+The orchestrator cannot cancel a BLS stream it started (Triton 2.51's Python backend has no
+cancel on a response iterator), and with several decode instances it cannot address the one
+serving a request. So it marks the request id here, and every decode instance looks for
+the ids it is serving between steps. Ids are made by the orchestrator (hex), never by
+clients, so they are safe file names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from pathlib import Path
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+class CancelRegistry:
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, request_id: str) -> Path:
+        if not _SAFE_ID.match(request_id):
+            raise ValueError(f"unsafe request id for the cancel registry: {request_id!r}")
+        return self.directory / request_id
+
+    def mark(self, request_id: str) -> None:
+        self._path(request_id).touch()
+
+    def is_marked(self, request_id: str) -> bool:
+        return _SAFE_ID.match(request_id) is not None and self._path(request_id).exists()
+
+    def clear(self, request_id: str) -> None:
+        if _SAFE_ID.match(request_id):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(request_id))

@@ -1,0 +1,75 @@
+"""`python -m disagg.serve`: serve the model end to end on an embedded Triton (make serve)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from disagg.errors import ConfigError
+from disagg.serve.server import ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
+from disagg.serve.settings import ServeSettings
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="disagg serve", description=__doc__)
+    p.add_argument("--config", help="TOML settings file (env DISAGG_<SETTING> overrides it)")
+    a = p.parse_args(argv)
+    try:
+        settings = ServeSettings.load(a.config)
+        server = TritonServer(settings)
+        if not settings.is_loopback:
+            print(
+                f"warning: binding {settings.host}: Triton's inference API has no "
+                "authentication; put the gateway in front of it",
+                file=sys.stderr,
+            )
+        print(f"starting tritonserver (log: {server.log_path}) ...", flush=True)
+        server.start()
+        server.wait_ready()
+    except (ConfigError, RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    e = server.endpoints
+    print(f"""
+disagg is serving {settings.engine_dir} ({settings.mode}: {settings.prefill_instances} prefill,
+{settings.decode_instances} decode instance(s))
+  HTTP     {e.http}   (KServe v2, /v2/models/ensemble/generate, generate_stream)
+  gRPC     {e.grpc}
+  metrics  {e.metrics}
+
+Try:
+  curl -s -X POST {e.http}/v2/models/ensemble/generate -d '{{"text_input":
+    "What is the capital of France?", "apply_chat_template": true, "max_tokens": 32}}'
+  curl -sN -X POST {e.http}/v2/models/ensemble/generate_stream -d '{{"text_input":
+    "Tell me a joke.", "apply_chat_template": true, "max_tokens": 64, "stream": true}}'
+  .venv/bin/python client/disagg_client.py --chat "Tell me a joke."
+""")
+    if server.admin_key_generated:
+        print(
+            f"Admin APIs (model repository, shared memory, logging, trace) need header "
+            f"'{ADMIN_HEADER}: {server.admin_key}'\n(set {ADMIN_KEY_ENV} to choose the key; "
+            "it is not stored anywhere)."
+        )
+    print("Ctrl-C to stop.", flush=True)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    while not stopping and server.proc.poll() is None:
+        time.sleep(0.5)
+    if server.proc.poll() is not None and not stopping:
+        print(f"tritonserver exited unexpectedly; log:\n{server.log_tail()}", file=sys.stderr)
+        return 1
+    print("\nstopping ...", flush=True)
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Start, watch and stop an embedded tritonserver serving disagg's repositories."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from disagg.errors import ConfigError
+from disagg.serve import triton_install
+from disagg.serve.render import render_repositories
+from disagg.serve.settings import ROOT, ServeSettings, template_values
+
+ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
+ADMIN_HEADER = "admin-key"
+# Triton APIs that change or inspect the server beyond inference: behind the admin key.
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
+SHM_BYTES = 64 * 2**20  # Python backend shared memory per stub: KV payloads are tens of MB
+
+
+@dataclass
+class Endpoints:
+    http: str
+    grpc: str
+    metrics: str
+
+
+class TritonServer:
+    def __init__(self, settings: ServeSettings, admin_key: str | None = None) -> None:
+        self.settings = settings
+        self.admin_key = admin_key or os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24)
+        self.admin_key_generated = admin_key is None and ADMIN_KEY_ENV not in os.environ
+        s = settings
+        self.build_dir = s.path("build_dir")
+        self.run_dir = self.build_dir / "run"
+        self.log_path = self.build_dir / "tritonserver.log"
+        self.endpoints = Endpoints(
+            http=f"http://{s.host}:{s.http_port}",
+            grpc=f"{s.host}:{s.grpc_port}",
+            metrics=f"http://{s.host}:{s.metrics_port}/metrics",
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def command(self, install: triton_install.TritonInstall, repos: list[Path]) -> list[str]:
+        s = self.settings
+        restricted = f"{RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}"
+        return [
+            str(install.server),
+            *[f"--model-repository={r}" for r in repos],
+            f"--backend-directory={install.backend_dir}",
+            f"--http-address={s.host}",
+            f"--http-port={s.http_port}",
+            f"--grpc-address={s.host}",
+            f"--grpc-port={s.grpc_port}",
+            f"--metrics-address={s.host}",
+            f"--metrics-port={s.metrics_port}",
+            "--allow-metrics=true",
+            "--allow-gpu-metrics=false",
+            "--allow-cpu-metrics=true",
+            "--model-control-mode=explicit",
+            "--load-model=*",
+            "--strict-readiness=true",
+            "--exit-on-error=true",
+            "--exit-timeout-secs=10",
+            f"--http-restricted-api={restricted}",
+            f"--grpc-restricted-protocol={restricted}",
+            f"--backend-config=python,shm-default-byte-size={SHM_BYTES}",
+            f"--backend-config=python,shm-growth-byte-size={SHM_BYTES}",
+            f"--log-verbose={s.log_verbose}",
+        ]
+
+    def start(self) -> TritonServer:
+        engine_cfg = self.settings.path("engine_dir") / "config.json"
+        if not engine_cfg.is_file():
+            raise ConfigError(f"{engine_cfg} not found: build the engine first (make engine)")
+        install = triton_install.prepare(self.build_dir / "backends")
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.run_dir.mkdir(parents=True)
+        repos = render_repositories(
+            template_values(self.settings, self.run_dir), self.build_dir / "repository"
+        )
+        env = triton_install.server_env(install, [ROOT / "src"])
+        self.log_file = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            self.command(install, repos),
+            env=env,
+            stdout=self.log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.endpoints.http}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"tritonserver exited ({self.proc.returncode}); log:\n{self.log_tail()}"
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        raise TimeoutError(
+            f"tritonserver not ready after {timeout_s:.0f} s; log:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # Triton's graceful shutdown
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its stub processes
+            self.proc.wait()
+        self.log_file.close()
+
+    def __enter__(self) -> TritonServer:
+        self.start()
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

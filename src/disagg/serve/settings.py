@@ -1,0 +1,119 @@
+"""Serving settings: one source for every model config and the tritonserver command line.
+
+Defaults below, overridden by an optional TOML file, then by environment variables named
+DISAGG_<SETTING> (e.g. DISAGG_PREFILL_INSTANCES=2). Secrets are never settings: the admin key
+comes from DISAGG_ADMIN_KEY only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from disagg.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[3]
+ENV_PREFIX = "DISAGG_"
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    engine_dir: str = "engines/smollm2-135m-instruct"
+    host: str = "127.0.0.1"  # every port binds here; loopback unless you mean otherwise
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    mode: str = "disaggregated"  # or "colocated": decode prefills its own requests
+    prefill_instances: int = 1  # prefill pool size (processes)
+    decode_instances: int = 1  # decode pool size (processes, one engine each)
+    tokenizer_instances: int = 1
+    decode_max_num_seqs: int = 16  # continuous batch size of one decode instance
+    max_model_len: int = 2048  # prompt + output tokens
+    max_tokens_limit: int = 1024  # largest max_tokens a request may ask for
+    max_tokens_default: int = 128  # when a request does not say
+    max_batch_size: int = 8  # Triton batch dimension of client-facing models (requests are 1)
+    prefill_torch_threads: int = 0  # 0: torch's default (all cores)
+    decode_torch_threads: int = 0
+    prefill_timeout_s: float = 60.0  # then the request falls back to decode's own prefill
+    orchestrator_max_concurrency: int = 64  # requests the orchestrator serves at once
+    build_dir: str = ".triton"  # rendered repositories, backend links, run files, logs
+    log_verbose: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", "float") and (isinstance(value, bool) or value < 0):
+                raise ConfigError(f"setting {f.name} must be >= 0, got {value!r}")
+        for name in (
+            "prefill_instances",
+            "decode_instances",
+            "tokenizer_instances",
+            "decode_max_num_seqs",
+            "max_batch_size",
+            "orchestrator_max_concurrency",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"setting {name} must be >= 1")
+        if self.mode not in MODES:
+            raise ConfigError(f"setting mode must be one of {MODES}, got {self.mode!r}")
+        if not 1 <= self.max_tokens_default <= self.max_tokens_limit < self.max_model_len:
+            raise ConfigError("need 1 <= max_tokens_default <= max_tokens_limit < max_model_len")
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError as e:
+            raise ConfigError(f"setting host must be an IP address, got {self.host!r}") from e
+
+    @property
+    def is_loopback(self) -> bool:
+        return ipaddress.ip_address(self.host).is_loopback
+
+    def path(self, name: str) -> Path:
+        """engine_dir / build_dir as absolute paths (model processes run elsewhere)."""
+        p = Path(getattr(self, name))
+        return p if p.is_absolute() else (ROOT / p)
+
+    @classmethod
+    def load(cls, toml_path: str | Path | None = None, env: dict | None = None) -> ServeSettings:
+        env = os.environ if env is None else env
+        values: dict = {}
+        if toml_path:
+            try:
+                values.update(tomllib.loads(Path(toml_path).read_text()))
+            except (OSError, tomllib.TOMLDecodeError) as e:
+                raise ConfigError(f"settings file {toml_path}: {e}") from e
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(values) - set(known)
+        if unknown:
+            raise ConfigError(f"unknown settings: {sorted(unknown)}")
+        for name, _f in known.items():
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = raw
+        for name, value in list(values.items()):
+            values[name] = _coerce(name, known[name].type, value)
+        return replace(cls(), **values)
+
+
+def _coerce(name: str, type_name: str, value):
+    try:
+        if type_name == "int":
+            if isinstance(value, bool):
+                raise ValueError("a boolean")
+            return int(value)
+        if type_name == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"setting {name}: expected {type_name}, got {value!r}") from e
+
+
+def template_values(s: ServeSettings, run_dir: Path) -> dict[str, str]:
+    """What the ${...} keys of the config.pbtxt templates are filled with."""
+    values = {f.name: str(getattr(s, f.name)) for f in fields(s)}
+    values["engine_dir"] = str(s.path("engine_dir"))
+    values["run_dir"] = str(run_dir)
+    return values

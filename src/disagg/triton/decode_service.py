@@ -1,0 +1,135 @@
+"""The decode model's engine loop: one thread steps the DecodeEngine while Triton's execute()
+adds requests from another. No Triton here; responses leave through a `Sink` per request."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Protocol
+
+from disagg.cancel import CancelRegistry
+from disagg.engine import DecodeEngine, PrefillResult
+from disagg.errors import EngineDeadError
+from disagg.sequence import FinishReason, SamplingParams
+
+log = logging.getLogger("disagg.decode")
+
+
+class Sink(Protocol):
+    """Where one request's decode output goes (a Triton response sender, in production)."""
+
+    def send(self, token_ids: list[int], finish_reason: str | None) -> None: ...
+
+    def fail(self, error: Exception) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+class DecodeService:
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        cancels: CancelRegistry | None = None,
+        cancel_check_interval_s: float = 0.05,
+        on_step=None,
+    ) -> None:
+        self.engine = engine
+        self.on_step = on_step  # called with engine.stats() after every step (metrics)
+        self.cancels = cancels
+        self.cancel_check_interval_s = cancel_check_interval_s
+        self._sinks: dict[str, Sink] = {}
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.dead: Exception | None = None
+        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
+
+    def start(self) -> DecodeService:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._sinks)
+
+    def submit(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        sink: Sink,
+        *,
+        prefill: PrefillResult | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
+        """Raises RequestError / CapacityError at once; otherwise output flows to `sink`."""
+        if self.dead is not None:
+            raise EngineDeadError(f"decode engine is dead: {self.dead}")
+        with self._wake:
+            self.engine.add_request(request_id, params, prefill=prefill, prompt_ids=prompt_ids)
+            self._sinks[request_id] = sink
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        last_check = 0.0
+        while True:
+            with self._wake:
+                while not self._stopped and not self.engine.has_unfinished:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # an engine bug or a broken model: fatal, and visible
+                log.exception("decode engine died")
+                self._die(e)
+                return
+            self._deliver(outputs)
+            if self.on_step is not None:
+                try:
+                    self.on_step(self.engine.stats())
+                except Exception:  # metrics must never stop decoding
+                    log.exception("on_step hook failed")
+            now = time.monotonic()
+            if now - last_check >= self.cancel_check_interval_s:
+                last_check = now
+                self._check_cancels()
+
+    def _deliver(self, outputs) -> None:
+        tokens: dict[str, list[int]] = defaultdict(list)
+        finished: dict[str, str] = {}
+        for o in outputs:
+            if o.token_id is not None:
+                tokens[o.request_id].append(o.token_id)
+            if o.finish_reason is not None:
+                finished[o.request_id] = o.finish_reason.value
+        for rid in tokens.keys() | finished.keys():
+            sink = self._sinks.get(rid)
+            if sink is None:
+                continue
+            if rid in finished:
+                self._sinks.pop(rid, None)
+                if self.cancels:
+                    self.cancels.clear(rid)
+            try:
+                sink.send(tokens.get(rid, []), finished.get(rid))
+            except Exception:  # the client is gone: stop spending steps on it
+                log.info("request %s: sending failed; finishing it", rid)
+                self.engine.finish_request(rid, FinishReason.ABORT)
+
+    def _check_cancels(self) -> None:
+        for rid, sink in list(self._sinks.items()):
+            if (self.cancels and self.cancels.is_marked(rid)) or sink.is_cancelled():
+                self.engine.finish_request(rid, FinishReason.ABORT)
+
+    def _die(self, error: Exception) -> None:
+        self.dead = error
+        for sink in self._sinks.values():
+            sink.fail(EngineDeadError(f"decode engine died: {error}"))
+        self._sinks.clear()

@@ -1,0 +1,237 @@
+"""Orchestration of one generate request across the prefill and decode pools. No Triton here.
+
+    prefill pool --(first token + KV payload bytes)--> orchestrator --> decode pool
+         |                                                 |
+         `--- fails or times out: decode prefills itself --'   (nothing is lost)
+
+The pools are interfaces: `pb.py` implements them with BLS calls into this Triton server; a
+remote Triton server would implement the same two methods. The orchestrator turns tokens
+into text (whole characters, stop strings) so that streamed deltas concatenate exactly to
+the full reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from disagg.config import EngineConfig, ModelArgs
+from disagg.engine import validate_request
+from disagg.errors import DisaggError
+from disagg.sequence import FinishReason, SamplingParams
+from disagg.tokenizer import TextStream, Tokenizer
+
+log = logging.getLogger("disagg.orchestrator")
+
+DISAGGREGATED = "disaggregated"
+COLOCATED = "colocated"
+FALLBACK = "fallback"  # disaggregated, but the prefill pool failed: decode prefilled
+MODES = (DISAGGREGATED, COLOCATED)
+
+
+class PoolError(DisaggError):
+    """A pool failed, timed out or is unavailable; the request itself may be fine."""
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the prefill pool returns: the first token and the KV payload, still as bytes
+    (the decode pool parses and verifies it; the orchestrator only forwards it)."""
+
+    first_token: int
+    seed: int
+    kv_payload: np.ndarray  # uint8 [n]: KVPayload.to_bytes()
+    worker_pid: int
+    prefill_time_s: float
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One response of the decode pool."""
+
+    token_ids: list[int]
+    finish_reason: str | None  # set on the last response
+    worker_pid: int
+
+
+class PrefillPool(Protocol):
+    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Handoff:
+        """Raises RequestError for a bad request, PoolError for anything else."""
+        ...
+
+
+class DecodePool(Protocol):
+    def generate(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        *,
+        handoff: Handoff | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> Iterator[DecodeStep]:
+        """Stream decode steps; with `prompt_ids` (no handoff) decode prefills itself."""
+        ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    prompt_text: str  # echoed before the reply when exclude_input_in_output is false
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = True
+
+
+@dataclass
+class Reply:
+    """One response to the client: a delta while streaming, the whole reply otherwise."""
+
+    text: str
+    num_input_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None  # set on the final reply only
+    served_by: str = ""
+    prefill_pid: int = 0
+    decode_pid: int = 0
+    token_ids: list[int] = field(default_factory=list)
+
+
+def build_request(
+    fields: dict,
+    tokenizer: Tokenizer,
+    max_tokens_default: int,
+) -> GenerateRequest:
+    """Client-facing fields (TensorRT-LLM ensemble names, already plain Python values) ->
+    a validated-shape GenerateRequest. Semantic limits are checked by `check_request`."""
+    prompt_ids = [int(t) for t in fields.get("input_ids", [])]
+    stop = tuple(s for s in fields.get("stop_words", []) if s)
+    bad = tuple(tuple(tokenizer.encode(w)) for w in fields.get("bad_words", []) if w)
+    stop_ids = () if fields.get("end_id") is None else (int(fields["end_id"]),)
+    seed = fields.get("seed")
+    params = SamplingParams(
+        max_tokens=int(fields.get("max_tokens", max_tokens_default)),
+        temperature=float(fields.get("temperature", 0.0)),
+        top_k=int(fields.get("top_k", 0)),
+        top_p=float(fields.get("top_p", 1.0)),
+        seed=None if seed is None else int(seed),
+        stop_token_ids=stop_ids,
+        stop=stop,
+        bad_words_ids=bad,
+    )
+    return GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_ids=prompt_ids,
+        prompt_text=fields.get("text_input", ""),
+        params=params,
+        stream=bool(fields.get("stream", False)),
+        exclude_input_in_output=bool(fields.get("exclude_input_in_output", False)),
+    )
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_args: ModelArgs,
+        engine_config: EngineConfig,
+        prefill_pool: PrefillPool | None,
+        decode_pool: DecodePool,
+        mode: str = DISAGGREGATED,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.tokenizer = tokenizer
+        self.model_args = model_args
+        self.engine_config = engine_config
+        self.prefill_pool = prefill_pool
+        self.decode_pool = decode_pool
+        self.mode = mode
+        self.eos = {tokenizer.eos_token_id} - {None}
+
+    def check_request(self, req: GenerateRequest) -> None:
+        """Everything the engines would refuse, refused here first, before any pool works."""
+        validate_request(self.model_args, self.engine_config, req.prompt_ids, req.params)
+
+    def run(
+        self,
+        req: GenerateRequest,
+        emit: Callable[[Reply], None],
+        is_cancelled: Callable[[], bool] = lambda: False,
+    ) -> Reply:
+        """Serve one request; streaming deltas go to `emit`, the final Reply is returned.
+        Raises RequestError (bad input) or PoolError (decode failed mid-request)."""
+        self.check_request(req)
+        out = Reply("", len(req.prompt_ids), 0)
+        text = TextStream(self.tokenizer, req.params.stop)
+        handoff = self._prefill(req, out)
+        if handoff is not None:
+            self._add_tokens(req, out, text, [handoff.first_token], emit)
+        steps = self.decode_pool.generate(
+            req.request_id,
+            req.params,
+            handoff=handoff,
+            prompt_ids=None if handoff else req.prompt_ids,
+        )
+        finish: str | None = None
+        for step in steps:
+            out.decode_pid = step.worker_pid
+            if finish is None:  # after a stop string or a cancel, drain without adding text
+                self._add_tokens(req, out, text, step.token_ids, emit)
+                if text.stopped:
+                    finish = FinishReason.STOP.value
+                    self.decode_pool.cancel(req.request_id)
+                elif is_cancelled():
+                    finish = FinishReason.ABORT.value
+                    self.decode_pool.cancel(req.request_id)
+            if step.finish_reason is not None:
+                finish = finish or step.finish_reason
+        if finish is None:
+            raise PoolError("decode stream ended without a finish reason")
+        tail = text.flush()
+        out.finish_reason = finish
+        out.text = tail if req.stream else self._full_text(req, text)
+        return out
+
+    def _prefill(self, req: GenerateRequest, out: Reply) -> Handoff | None:
+        if self.mode == COLOCATED or self.prefill_pool is None:
+            out.served_by = COLOCATED
+            return None
+        try:
+            handoff = self.prefill_pool.prefill(req.request_id, req.prompt_ids, req.params)
+        except PoolError as e:
+            log.warning(
+                "request %s: prefill pool failed (%s); decode prefills it", req.request_id, e
+            )
+            out.served_by = FALLBACK
+            return None
+        out.served_by = DISAGGREGATED
+        out.prefill_pid = handoff.worker_pid
+        return handoff
+
+    def _add_tokens(
+        self,
+        req: GenerateRequest,
+        out: Reply,
+        text: TextStream,
+        tokens: list[int],
+        emit: Callable[[Reply], None],
+    ) -> None:
+        delta = ""
+        for t in tokens:
+            out.token_ids.append(t)
+            out.num_output_tokens += 1
+            if t not in self.eos or req.params.ignore_eos:
+                delta += text.push(t)
+        if req.stream and delta:
+            emit(Reply(delta, out.num_input_tokens, out.num_output_tokens))
+
+    def _full_text(self, req: GenerateRequest, text: TextStream) -> str:
+        return text.text if req.exclude_input_in_output else req.prompt_text + text.text

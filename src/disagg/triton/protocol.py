@@ -1,0 +1,68 @@
+"""Tensor names and the data contracts between the Triton models. Every name is defined here once.
+
+Client-facing names follow the TensorRT-LLM ensemble, so its clients work unchanged.
+Internal names (prefill, decode) carry disagg's own contracts: sampling parameters travel as
+one JSON string, the KV cache as the bytes of a `KVPayload`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from disagg.errors import RequestError
+from disagg.sequence import SamplingParams
+
+# ------------------------------------------------------------------ client-facing (ensemble)
+TEXT_INPUT = "text_input"
+MESSAGES = "messages"  # optional JSON list of {role, content}: rendered with the chat template
+APPLY_CHAT_TEMPLATE = "apply_chat_template"  # optional BOOL: wrap text_input as a user turn
+MAX_TOKENS = "max_tokens"
+STREAM = "stream"
+TEMPERATURE = "temperature"
+TOP_K = "top_k"
+TOP_P = "top_p"
+SEED = "seed"
+STOP_WORDS = "stop_words"
+BAD_WORDS = "bad_words"
+END_ID = "end_id"
+PAD_ID = "pad_id"
+EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
+RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
+RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+
+TEXT_OUTPUT = "text_output"
+NUM_INPUT_TOKENS = "num_input_tokens"
+NUM_OUTPUT_TOKENS = "num_output_tokens"
+FINISH_REASON = "finish_reason"
+
+# ------------------------------------------------------------------ tokenizer -> orchestrator
+INPUT_IDS = "input_ids"  # INT32 [-1]
+
+# ------------------------------------------------------------------ orchestrator <-> pools
+PROMPT_IDS = "prompt_ids"  # INT32 [-1]
+SAMPLING = "sampling"  # BYTES [1]: JSON of SamplingParams (+ "seed" resolved)
+FIRST_TOKEN = "first_token"  # INT32 [1]
+RESOLVED_SEED = "resolved_seed"  # UINT64 [1]
+KV_PAYLOAD = "kv_payload"  # UINT8 [-1]: KVPayload.to_bytes()
+PREFILL_TIME_US = "prefill_time_us"  # INT64 [1]
+TOKEN_IDS = "token_ids"  # INT32 [-1]: new tokens of one decode response
+WORKER_PID = "worker_pid"  # INT32 [1]: the process that produced a response
+PREFILL_PID = "prefill_pid"  # INT32 [1]: orchestrator's final response (0: no prefill pool)
+DECODE_PID = "decode_pid"  # INT32 [1]
+SERVED_BY = "served_by"  # BYTES [1]: "disaggregated" | "colocated" | "fallback"
+
+
+def sampling_to_json(params: SamplingParams) -> str:
+    return json.dumps(asdict(params))
+
+
+def sampling_from_json(text: str) -> SamplingParams:
+    try:
+        data = json.loads(text)
+        data["stop_token_ids"] = tuple(data.get("stop_token_ids", ()))
+        data["stop"] = tuple(data.get("stop", ()))
+        data["bad_words_ids"] = tuple(tuple(w) for w in data.get("bad_words_ids", ()))
+        return SamplingParams(**data)
+    except (ValueError, TypeError) as e:
+        raise RequestError(f"malformed sampling parameters: {e}") from e
