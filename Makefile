@@ -9,7 +9,7 @@ PROMPT ?= Explain in two sentences why prefill and decode want different hardwar
 MAX_TOKENS ?= 256
 PYTEST_ARGS ?=
 
-.PHONY: venv engine generate test lint bench clean
+.PHONY: venv engine generate serve test lint bench clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,11 +32,16 @@ engine: $(ENGINE_DIR)/config.json
 generate: engine
 	$(PY) -m disagg generate --engine-dir $(ENGINE_DIR) --max-tokens $(MAX_TOKENS) --prompt "$(PROMPT)"
 
+# Serve the model end to end: tokenizer -> prefill pool -> KV hand-off -> decode pool, on an
+# embedded tritonserver bound to 127.0.0.1 (settings: DISAGG_<SETTING>=..., or CONFIG=file.toml).
+serve: engine
+	$(PY) -m disagg.serve $(if $(CONFIG),--config $(CONFIG),)
+
 test: engine
 	DISAGG_ENGINE_DIR=$(ENGINE_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: venv
-	$(VENV)/bin/ruff check src tests build_engines benchmarks client
+	$(VENV)/bin/ruff check src tests build_engines benchmarks client model_repository
 
 bench: engine
 	$(PY) benchmarks/engine_bench.py --engine-dir $(ENGINE_DIR)

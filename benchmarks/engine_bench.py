@@ -92,9 +92,20 @@ def ours_decode(model: Llama, batch: int, steps: int, prompt_len: int) -> float:
 def cold_start(engine_dir: str) -> float:
     t = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "disagg", "generate", "--engine-dir", engine_dir,
-         "--prompt", "Hi", "--max-tokens", "1"],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "disagg",
+            "generate",
+            "--engine-dir",
+            engine_dir,
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "1",
+        ],
+        check=True,
+        capture_output=True,
     )
     return time.perf_counter() - t
 
@@ -107,10 +118,16 @@ def hf_model(engine_dir: str, a: ModelArgs):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
-        num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
-        vocab_size=a.vocab_size, rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta,
-        max_position_embeddings=a.max_context, tie_word_embeddings=a.tie_embeddings,
+        hidden_size=a.dim,
+        intermediate_size=a.hidden_dim,
+        num_hidden_layers=a.n_layers,
+        num_attention_heads=a.n_heads,
+        num_key_value_heads=a.n_kv_heads,
+        vocab_size=a.vocab_size,
+        rms_norm_eps=a.norm_eps,
+        rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_context,
+        tie_word_embeddings=a.tie_embeddings,
     )
     model = LlamaForCausalLM(cfg)
     model.load_state_dict(load_file(str(Path(engine_dir) / "model.safetensors")), strict=False)
@@ -154,8 +171,10 @@ def plot(results: dict, path: Path) -> None:
         dc = results["decode_tok_s"][name]
         ax2.plot([int(k) for k in dc], list(dc.values()), marker="o", label=name)
     ax1.set(title="Prefill", xlabel="prompt tokens", ylabel="tokens/s", xscale="log", xticks=[])
-    ax1.set_xticks([int(k) for k in results["prefill_tok_s"]["disagg"]],
-                   labels=list(results["prefill_tok_s"]["disagg"]))
+    ax1.set_xticks(
+        [int(k) for k in results["prefill_tok_s"]["disagg"]],
+        labels=list(results["prefill_tok_s"]["disagg"]),
+    )
     ax2.set(title="Decode (continuous batch)", xlabel="concurrent sequences", ylabel="tokens/s")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
@@ -176,8 +195,12 @@ def main() -> int:
     batches = [1, 4] if a.quick else [1, 4, 16, 32]
     reps, steps, prompt_len = (2, 8, 128) if a.quick else (5, 32, 128)
 
-    res: dict = {"command": " ".join(sys.argv), "threads": torch.get_num_threads(),
-                 "torch": torch.__version__, "processor": platform.processor()}
+    res: dict = {
+        "command": " ".join(sys.argv),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "processor": platform.processor(),
+    }
     print("measuring machine ceilings ...", flush=True)
     res["machine"] = machine_ceilings()
     print("cold start to first token ...", flush=True)
@@ -201,15 +224,26 @@ def main() -> int:
     wb = weight_bytes_per_step(model.args)
     bound_ms = wb / (res["machine"]["read_GBps"] * 1e9) * 1e3
     step_ms = 1e3 / res["decode_tok_s"]["disagg"]["1"]
-    res["batch1"] = {"weight_MB": wb / 1e6, "bandwidth_bound_ms": bound_ms, "step_ms": step_ms,
-                     "ratio_to_bound": step_ms / bound_ms}
+    res["batch1"] = {
+        "weight_MB": wb / 1e6,
+        "bandwidth_bound_ms": bound_ms,
+        "step_ms": step_ms,
+        "ratio_to_bound": step_ms / bound_ms,
+    }
 
     m = res["machine"]
-    print(f"\nmachine: read {m['read_GBps']:.1f} GB/s, copy {m['copy_GBps']:.1f} GB/s, "
-          f"fp32 GEMM {m['gemm_GFLOPs']:.0f} GFLOP/s, {res['threads']} threads")
+    print(
+        f"\nmachine: read {m['read_GBps']:.1f} GB/s, copy {m['copy_GBps']:.1f} GB/s, "
+        f"fp32 GEMM {m['gemm_GFLOPs']:.0f} GFLOP/s, {res['threads']} threads"
+    )
     print(f"cold start to first token: {res['cold_start_s']:.1f} s")
-    header = "| engine | " + " | ".join(f"prefill@{n}" for n in prefill_sizes) + " | " + \
-        " | ".join(f"decode@{b}" for b in batches) + " |"
+    header = (
+        "| engine | "
+        + " | ".join(f"prefill@{n}" for n in prefill_sizes)
+        + " | "
+        + " | ".join(f"decode@{b}" for b in batches)
+        + " |"
+    )
     print(header)
     print("|" + "---|" * (1 + len(prefill_sizes) + len(batches)))
     for n in names:
@@ -217,15 +251,16 @@ def main() -> int:
         cells += [f"{res['decode_tok_s'][n][str(b)]:.1f}" for b in batches]
         print(f"| {n} | " + " | ".join(cells) + " |")
     if hf is not None:
-        ratios = [res["prefill_tok_s"]["disagg"][str(s)] / res["prefill_tok_s"]["transformers"][str(s)]
-                  for s in prefill_sizes]
-        ratios += [res["decode_tok_s"]["disagg"][str(b)] / res["decode_tok_s"]["transformers"][str(b)]
-                   for b in batches]
+        pf, dc = res["prefill_tok_s"], res["decode_tok_s"]
+        ratios = [pf["disagg"][str(s)] / pf["transformers"][str(s)] for s in prefill_sizes]
+        ratios += [dc["disagg"][str(b)] / dc["transformers"][str(b)] for b in batches]
         print("| ratio | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
         res["ratios"] = ratios
     b1 = res["batch1"]
-    print(f"batch-1 decode step {b1['step_ms']:.1f} ms; weights {b1['weight_MB']:.0f} MB / read "
-          f"bandwidth = {b1['bandwidth_bound_ms']:.1f} ms; ratio {b1['ratio_to_bound']:.2f}x")
+    print(
+        f"batch-1 decode step {b1['step_ms']:.1f} ms; weights {b1['weight_MB']:.0f} MB / read "
+        f"bandwidth = {b1['bandwidth_bound_ms']:.1f} ms; ratio {b1['ratio_to_bound']:.2f}x"
+    )
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import time
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="disagg serve", description=__doc__)
     p.add_argument("--config", help="TOML settings file (env DISAGG_<SETTING> overrides it)")
     a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         settings = ServeSettings.load(a.config)
         server = TritonServer(settings)

@@ -17,6 +17,7 @@ from disagg.errors import ConfigError
 from disagg.serve import triton_install
 from disagg.serve.render import render_repositories
 from disagg.serve.settings import ROOT, ServeSettings, template_values
+from disagg.serve.supervisor import StubSupervisor
 
 ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
 ADMIN_HEADER = "admin-key"
@@ -47,6 +48,7 @@ class TritonServer:
             metrics=f"http://{s.host}:{s.metrics_port}/metrics",
         )
         self.proc: subprocess.Popen | None = None
+        self.supervisor: StubSupervisor | None = None
 
     def command(self, install: triton_install.TritonInstall, repos: list[Path]) -> list[str]:
         s = self.settings
@@ -105,6 +107,7 @@ class TritonServer:
             return False
 
     def wait_ready(self, timeout_s: float = 180.0) -> None:
+        """Wait until every model is ready, then start supervising the stub processes."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -112,6 +115,10 @@ class TritonServer:
                     f"tritonserver exited ({self.proc.returncode}); log:\n{self.log_tail()}"
                 )
             if self.is_ready():
+                if self.supervisor is None:
+                    self.supervisor = StubSupervisor(
+                        self.proc.pid, self.endpoints.http, ADMIN_HEADER, self.admin_key
+                    ).start()
                 return
             time.sleep(0.5)
         raise TimeoutError(
@@ -125,6 +132,8 @@ class TritonServer:
             return "(no log)"
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGINT)  # Triton's graceful shutdown

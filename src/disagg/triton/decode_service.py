@@ -75,6 +75,10 @@ class DecodeService:
             self.engine.add_request(request_id, params, prefill=prefill, prompt_ids=prompt_ids)
             self._sinks[request_id] = sink
             self._wake.notify()
+        try:
+            sink.send([], None)  # accepted: tells the caller which worker to watch
+        except Exception:
+            self.engine.finish_request(request_id, FinishReason.ABORT)
 
     def _loop(self) -> None:
         last_check = 0.0

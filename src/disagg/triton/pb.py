@@ -8,6 +8,8 @@ Imported only inside a Triton Python backend stub (where the module exists).
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
 from collections.abc import Iterator
 
@@ -27,6 +29,10 @@ def model_parameters(args: dict) -> dict[str, str]:
     """The `parameters` of a model's config.pbtxt, as strings."""
     config = json.loads(args["model_config"])
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def is_decoupled(args: dict) -> bool:
+    return pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
 
 
 # ------------------------------------------------------------------ reading requests
@@ -180,9 +186,11 @@ class BlsPrefillPool:
 class BlsDecodePool:
     """The decode pool as the decoupled Triton model `model_name` in this server."""
 
-    def __init__(self, model_name: str, cancels: CancelRegistry) -> None:
+    def __init__(self, model_name: str, cancels: CancelRegistry,
+                 liveness_check_s: float = 1.0) -> None:
         self.model_name = model_name
         self.cancels = cancels
+        self.liveness_check_s = liveness_check_s
 
     def generate(
         self,
@@ -211,19 +219,54 @@ class BlsDecodePool:
             responses = req.exec(decoupled=True)
         except pb_utils.TritonModelException as e:
             raise PoolError(f"decode: {e}") from e
-        for response in responses:
+        # The iterator blocks forever if the decode process dies mid-stream, so it is read on a
+        # helper thread while this one watches the worker's pid (sent in decode's first,
+        # token-less response).
+        events: queue.Queue = queue.Queue()
+        threading.Thread(target=_pump, args=(responses, events), daemon=True).start()
+        pid = 0
+        while True:
+            try:
+                response = events.get(timeout=self.liveness_check_s)
+            except queue.Empty:
+                if pid and not process_alive(pid):
+                    raise PoolError(f"decode worker {pid} died mid-request") from None
+                continue
+            if response is None:
+                return
+            if isinstance(response, Exception):
+                raise PoolError(f"decode: {response}") from response
             _raise_for(response, "decode")
             if not response.output_tensors():  # the empty response that carries FINAL
                 continue
             reason = _output(response, P.FINISH_REASON)[0].decode()
+            pid = int(_output(response, P.WORKER_PID)[0])
             yield DecodeStep(
                 token_ids=[int(t) for t in _output(response, P.TOKEN_IDS)],
                 finish_reason=reason or None,
-                worker_pid=int(_output(response, P.WORKER_PID)[0]),
+                worker_pid=pid,
             )
 
     def cancel(self, request_id: str) -> None:
         self.cancels.mark(request_id)
+
+
+def _pump(responses, events: queue.Queue) -> None:
+    try:
+        for response in responses:
+            events.put(response)
+        events.put(None)
+    except Exception as e:
+        events.put(e)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process on this host is running (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 # ------------------------------------------------------------------ decode responses

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Ask the served model over HTTP (generate / generate_stream) or gRPC (streaming), print the
+reply as it arrives, then its TTFT and decode speed.
+
+    python client/disagg_client.py --chat "Tell me a joke."
+    python client/disagg_client.py --protocol grpc --max-tokens 64 "Once upon a time"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from disagg.client import GenerateError, GrpcClient, HttpClient
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("prompt")
+    p.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    p.add_argument("--url", help="default: http://127.0.0.1:8000 (http), 127.0.0.1:8001 (grpc)")
+    p.add_argument("--model", default="ensemble")
+    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--no-stream", action="store_true")
+    a = p.parse_args(argv)
+    inputs = {
+        "text_input": a.prompt,
+        "max_tokens": a.max_tokens,
+        "temperature": a.temperature,
+        "top_p": a.top_p,
+        "apply_chat_template": a.chat,
+        "exclude_input_in_output": True,
+    }
+    if a.seed is not None:
+        inputs["seed"] = a.seed
+    stream = not a.no_stream
+    show = (lambda d: print(d, end="", flush=True)) if stream else None
+    try:
+        if a.protocol == "http":
+            result = HttpClient(a.url or "http://127.0.0.1:8000").generate(
+                a.model, inputs, stream=stream, on_delta=show
+            )
+        else:
+            result = GrpcClient(a.url or "127.0.0.1:8001").generate(
+                a.model, inputs, stream=stream, on_delta=show
+            )
+    except (GenerateError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not stream:
+        print(result.text, end="")
+    print(
+        f"\n[{result.finish_reason}; {result.num_input_tokens} prompt + "
+        f"{result.num_output_tokens} output tokens; TTFT {result.ttft_s * 1000:.0f} ms; "
+        f"{result.tokens_per_s:.1f} tok/s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Clients of the served pipeline: Triton's generate extension over HTTP (SSE for streams) and
+gRPC bidirectional streaming with tritonclient. Each call returns a `Result` with the text,
+its deltas, and the timings a user cares about (TTFT, tokens/s)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class GenerateError(Exception):
+    """The server answered the request with an error."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Result:
+    text: str = ""
+    deltas: list[str] = field(default_factory=list)
+    finish_reason: str = ""
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    ttft_s: float = 0.0  # request sent -> first text
+    total_s: float = 0.0
+    extra: dict = field(default_factory=dict)  # other outputs of the final response
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed after the first token (over the whole call if it was one response)."""
+        if len(self.deltas) <= 1:
+            return self.num_output_tokens / self.total_s if self.total_s > 0 else 0.0
+        span = self.total_s - self.ttft_s
+        return (self.num_output_tokens - 1) / span if span > 0 else 0.0
+
+
+def _absorb(result: Result, out: dict, start: float, on_delta: Callable[[str], None] | None):
+    text = out.get("text_output", "")
+    if isinstance(text, list):
+        text = text[0] if text else ""
+    if text:
+        if not result.deltas:
+            result.ttft_s = time.perf_counter() - start
+        result.deltas.append(text)
+        result.text += text
+        if on_delta:
+            on_delta(text)
+    for key in ("num_input_tokens", "num_output_tokens"):
+        if key in out:
+            setattr(result, key, int(np.asarray(out[key]).reshape(-1)[0]))
+    reason = out.get("finish_reason")
+    if reason:
+        result.finish_reason = reason[0] if isinstance(reason, list) else reason
+
+
+class HttpClient:
+    """Triton's generate / generate_stream endpoints (JSON in, JSON or SSE out)."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", timeout_s: float = 300.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+
+    def generate(self, model: str, inputs: dict, stream: bool = False,
+                 on_delta: Callable[[str], None] | None = None) -> Result:
+        endpoint = "generate_stream" if stream else "generate"
+        body = json.dumps({**inputs, "stream": stream}).encode()
+        req = urllib.request.Request(f"{self.url}/v2/models/{model}/{endpoint}", data=body,
+                                     headers={"Content-Type": "application/json"})
+        result, start = Result(), time.perf_counter()
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                if not stream:
+                    out = json.loads(resp.read())
+                    _absorb(result, out, start, on_delta)
+                    result.extra = out
+                for line in resp if stream else ():
+                    if not line.startswith(b"data:"):
+                        continue
+                    out = json.loads(line[5:])
+                    if "error" in out:
+                        raise GenerateError(out["error"])
+                    _absorb(result, out, start, on_delta)
+                    result.extra = out
+        except urllib.error.HTTPError as e:
+            try:
+                message = json.loads(e.read()).get("error", str(e))
+            except ValueError:
+                message = str(e)
+            raise GenerateError(message, e.code) from None
+        result.total_s = time.perf_counter() - start
+        return result
+
+
+_GRPC_TYPES = {str: ("BYTES", np.object_), bool: ("BOOL", np.bool_), int: ("INT32", np.int32),
+               float: ("FP32", np.float32)}
+_UINT64_INPUTS = {"seed"}
+
+
+def grpc_inputs(inputs: dict):
+    import tritonclient.grpc as grpcclient
+
+    out = []
+    for name, value in inputs.items():
+        values = value if isinstance(value, list) else [value]
+        dtype, np_dtype = _GRPC_TYPES[type(values[0])]
+        if name in _UINT64_INPUTS:
+            dtype, np_dtype = "UINT64", np.uint64
+        arr = np.array([values], dtype=np_dtype)
+        if np_dtype is np.object_:
+            arr = np.array([[v.encode("utf-8") for v in values]], dtype=np.object_)
+        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+class GrpcClient:
+    """Bidirectional gRPC streaming with tritonclient (the decoupled `ensemble`)."""
+
+    OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "finish_reason")
+
+    def __init__(self, url: str = "127.0.0.1:8001", timeout_s: float = 300.0) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(url)
+        self.timeout_s = timeout_s
+
+    def generate(self, model: str, inputs: dict, stream: bool = True,
+                 on_delta: Callable[[str], None] | None = None,
+                 cancel_after_deltas: int | None = None) -> Result:
+        """With `cancel_after_deltas`, the stream is cancelled after that many deltas."""
+        events: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: events.put((result, error)))
+        result, start = Result(), time.perf_counter()
+        try:
+            self.client.async_stream_infer(
+                model, grpc_inputs({**inputs, "stream": stream}),
+                enable_empty_final_response=True,
+            )
+            while True:
+                res, error = events.get(timeout=self.timeout_s)
+                if error is not None:
+                    raise GenerateError(str(error))
+                out = {n: self._value(res, n) for n in self.OUTPUTS}
+                _absorb(result, {k: v for k, v in out.items() if v is not None}, start, on_delta)
+                final = res.get_response().parameters.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    break
+                if cancel_after_deltas is not None and len(result.deltas) >= cancel_after_deltas:
+                    self.client.stop_stream(cancel_requests=True)
+                    result.finish_reason = "cancelled"
+                    break
+        finally:
+            self.client.stop_stream()
+        result.total_s = time.perf_counter() - start
+        return result
+
+    @staticmethod
+    def _value(res, name: str):
+        arr = res.as_numpy(name)
+        if arr is None:
+            return None
+        flat = arr.reshape(-1)
+        if flat.dtype == np.object_:
+            return flat[0].decode("utf-8") if flat.size else ""
+        return int(flat[0])
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,49 @@
+"""A real tritonserver on loopback, shared by the tests of a module."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start_server(engine_dir, build_dir, **overrides):
+    from disagg.serve.server import TritonServer
+    from disagg.serve.settings import ServeSettings
+
+    http, grpc, metrics = free_ports(3)
+    settings = ServeSettings(
+        engine_dir=str(engine_dir),
+        build_dir=str(build_dir),
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics,
+        decode_max_num_seqs=8,
+        max_tokens_limit=512,
+        **overrides,
+    )
+    server = TritonServer(settings, admin_key="test-admin-key")
+    server.start()
+    try:
+        server.wait_ready(timeout_s=240)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, tmp_path_factory):
+    srv = start_server(engine_dir, tmp_path_factory.mktemp("triton"))
+    yield srv
+    srv.stop()
