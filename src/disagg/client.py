@@ -69,12 +69,20 @@ class HttpClient:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def generate(self, model: str, inputs: dict, stream: bool = False,
-                 on_delta: Callable[[str], None] | None = None) -> Result:
+    def generate(
+        self,
+        model: str,
+        inputs: dict,
+        stream: bool = False,
+        on_delta: Callable[[str], None] | None = None,
+    ) -> Result:
         endpoint = "generate_stream" if stream else "generate"
         body = json.dumps({**inputs, "stream": stream}).encode()
-        req = urllib.request.Request(f"{self.url}/v2/models/{model}/{endpoint}", data=body,
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.url}/v2/models/{model}/{endpoint}",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
         result, start = Result(), time.perf_counter()
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
@@ -100,8 +108,12 @@ class HttpClient:
         return result
 
 
-_GRPC_TYPES = {str: ("BYTES", np.object_), bool: ("BOOL", np.bool_), int: ("INT32", np.int32),
-               float: ("FP32", np.float32)}
+_GRPC_TYPES = {
+    str: ("BYTES", np.object_),
+    bool: ("BOOL", np.bool_),
+    int: ("INT32", np.int32),
+    float: ("FP32", np.float32),
+}
 _UINT64_INPUTS = {"seed"}
 
 
@@ -134,16 +146,22 @@ class GrpcClient:
         self.client = grpcclient.InferenceServerClient(url)
         self.timeout_s = timeout_s
 
-    def generate(self, model: str, inputs: dict, stream: bool = True,
-                 on_delta: Callable[[str], None] | None = None,
-                 cancel_after_deltas: int | None = None) -> Result:
+    def generate(
+        self,
+        model: str,
+        inputs: dict,
+        stream: bool = True,
+        on_delta: Callable[[str], None] | None = None,
+        cancel_after_deltas: int | None = None,
+    ) -> Result:
         """With `cancel_after_deltas`, the stream is cancelled after that many deltas."""
         events: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: events.put((result, error)))
         result, start = Result(), time.perf_counter()
         try:
             self.client.async_stream_infer(
-                model, grpc_inputs({**inputs, "stream": stream}),
+                model,
+                grpc_inputs({**inputs, "stream": stream}),
                 enable_empty_final_response=True,
             )
             while True:

@@ -38,6 +38,7 @@ class TritonPythonModel:
             params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
             start = time.perf_counter()
             result = self.engine.prefill(request.request_id(), f.get(P.PROMPT_IDS, []), params)
+            compute_us = int((time.perf_counter() - start) * 1e6)  # the hand-off starts here
             payload = np.frombuffer(result.kv.to_bytes(), dtype=np.uint8)
             return pb_utils.InferenceResponse(
                 [

@@ -40,8 +40,14 @@ def stub_models(server_pid: int) -> Counter:
 
 
 class StubSupervisor:
-    def __init__(self, server_pid: int, http_url: str, admin_header: str, admin_key: str,
-                 interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        server_pid: int,
+        http_url: str,
+        admin_header: str,
+        admin_key: str,
+        interval_s: float = 1.0,
+    ) -> None:
         self.server_pid = server_pid
         self.http_url = http_url
         self.headers = {admin_header: admin_key}
@@ -81,7 +87,9 @@ class StubSupervisor:
     def _repository(self, model: str, action: str) -> None:
         req = urllib.request.Request(
             f"{self.http_url}/v2/repository/models/{model}/{action}",
-            data=json.dumps({}).encode(), headers=self.headers, method="POST",
+            data=json.dumps({}).encode(),
+            headers=self.headers,
+            method="POST",
         )
         with urllib.request.urlopen(req, timeout=300):
             pass

@@ -12,7 +12,9 @@ the full reply.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,7 +49,8 @@ class Handoff:
     seed: int
     kv_payload: np.ndarray  # uint8 [n]: KVPayload.to_bytes()
     worker_pid: int
-    prefill_time_s: float
+    prefill_time_s: float  # compute only, as measured by the prefill worker
+    call_time_s: float = 0.0  # the whole prefill call, as the orchestrator saw it
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,8 @@ class Reply:
     prefill_pid: int = 0
     decode_pid: int = 0
     token_ids: list[int] = field(default_factory=list)
+    kv_bytes: int = 0  # size of the KV payload handed from prefill to decode
+    kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
 
 
 def build_request(
@@ -181,7 +186,14 @@ class Orchestrator:
             prompt_ids=None if handoff else req.prompt_ids,
         )
         finish: str | None = None
+        sent = time.perf_counter()
         for step in steps:
+            if not out.decode_pid and handoff is not None:  # decode's acknowledgement
+                # prefill side: call time less compute; decode side: send -> payload accepted
+                out.kv_bytes = int(handoff.kv_payload.nbytes)
+                out.kv_handoff_s = (
+                    handoff.call_time_s - handoff.prefill_time_s + time.perf_counter() - sent
+                )
             out.decode_pid = step.worker_pid
             if finish is None:  # after a stop string or a cancel, drain without adding text
                 self._add_tokens(req, out, text, step.token_ids, emit)
@@ -204,8 +216,10 @@ class Orchestrator:
         if self.mode == COLOCATED or self.prefill_pool is None:
             out.served_by = COLOCATED
             return None
+        start = time.perf_counter()
         try:
             handoff = self.prefill_pool.prefill(req.request_id, req.prompt_ids, req.params)
+            handoff = dataclasses.replace(handoff, call_time_s=time.perf_counter() - start)
         except PoolError as e:
             log.warning(
                 "request %s: prefill pool failed (%s); decode prefills it", req.request_id, e

@@ -108,6 +108,8 @@ def reply_response(reply: Reply, batched: bool) -> pb_utils.InferenceResponse:
             tensor(P.SERVED_BY, [reply.served_by.encode()], np.object_, batched),
             tensor(P.PREFILL_PID, [reply.prefill_pid], np.int32, batched),
             tensor(P.DECODE_PID, [reply.decode_pid], np.int32, batched),
+            tensor(P.KV_BYTES, [reply.kv_bytes], np.int64, batched),
+            tensor(P.KV_HANDOFF_US, [int(reply.kv_handoff_s * 1e6)], np.int64, batched),
         ]
     return pb_utils.InferenceResponse(output_tensors=outputs)
 
@@ -186,8 +188,9 @@ class BlsPrefillPool:
 class BlsDecodePool:
     """The decode pool as the decoupled Triton model `model_name` in this server."""
 
-    def __init__(self, model_name: str, cancels: CancelRegistry,
-                 liveness_check_s: float = 1.0) -> None:
+    def __init__(
+        self, model_name: str, cancels: CancelRegistry, liveness_check_s: float = 1.0
+    ) -> None:
         self.model_name = model_name
         self.cancels = cancels
         self.liveness_check_s = liveness_check_s

@@ -50,6 +50,8 @@ TOKEN_IDS = "token_ids"  # INT32 [-1]: new tokens of one decode response
 WORKER_PID = "worker_pid"  # INT32 [1]: the process that produced a response
 PREFILL_PID = "prefill_pid"  # INT32 [1]: orchestrator's final response (0: no prefill pool)
 DECODE_PID = "decode_pid"  # INT32 [1]
+KV_BYTES = "kv_bytes"  # INT64 [1]: orchestrator's final response
+KV_HANDOFF_US = "kv_handoff_us"  # INT64 [1]
 SERVED_BY = "served_by"  # BYTES [1]: "disaggregated" | "colocated" | "fallback"
 
 

@@ -1,0 +1,184 @@
+"""Orchestration logic with scripted pools (test doubles of the prefill and decode models);
+the tokenizer is the real one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from disagg.config import EngineConfig, load_model_args
+from disagg.errors import RequestError
+from disagg.sequence import SamplingParams
+from disagg.triton.orchestrator import (
+    COLOCATED,
+    DISAGGREGATED,
+    FALLBACK,
+    DecodeStep,
+    GenerateRequest,
+    Handoff,
+    Orchestrator,
+    PoolError,
+    build_request,
+)
+
+pytestmark = pytest.mark.model
+
+
+class ScriptedPrefill:
+    def __init__(self, first_token: int | None = None, error: Exception | None = None):
+        self.first_token, self.error, self.calls = first_token, error, []
+
+    def prefill(self, request_id, prompt_ids, params):
+        self.calls.append(prompt_ids)
+        if self.error:
+            raise self.error
+        return Handoff(self.first_token, 7, np.zeros(16, np.uint8), 111, 0.01)
+
+
+class ScriptedDecode:
+    def __init__(self, tokens: list[int], finish: str | None = "length", log=None):
+        self.tokens, self.finish, self.calls, self.cancelled = tokens, finish, [], []
+        self.log = log if log is not None else []
+
+    def generate(self, request_id, params, *, handoff=None, prompt_ids=None):
+        self.calls.append((handoff, prompt_ids))
+        self.log.append("decode")
+        yield DecodeStep([], None, 222)  # acknowledgement
+        if not self.tokens:
+            yield DecodeStep([], self.finish, 222)
+        for i, t in enumerate(self.tokens):
+            last = i == len(self.tokens) - 1
+            yield DecodeStep([t], self.finish if last else None, 222)
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+@pytest.fixture(scope="module")
+def args(engine_dir):
+    return load_model_args(engine_dir)
+
+
+def orchestrator(tokenizer, args, prefill, decode, mode=DISAGGREGATED):
+    return Orchestrator(tokenizer, args, EngineConfig(max_model_len=2048), prefill, decode, mode)
+
+
+def request(tokenizer, text="Hi", stream=True, **params) -> GenerateRequest:
+    return GenerateRequest(
+        "rid",
+        tokenizer.encode(text),
+        text,
+        SamplingParams(**{"max_tokens": 16, **params}),
+        stream=stream,
+    )
+
+
+def test_first_token_streams_before_decode_starts(tokenizer, args):
+    ids = tokenizer.encode(" Hello world, how are you")
+    log = []
+    decode = ScriptedDecode(ids[1:], log=log)
+    o = orchestrator(tokenizer, args, ScriptedPrefill(ids[0]), decode)
+    deltas = []
+    final = o.run(request(tokenizer), emit=lambda r: (log.append("emit"), deltas.append(r.text)))
+    assert log[:2] == ["emit", "decode"]  # TTFT does not wait for decode
+    assert "".join(deltas) + final.text == " Hello world, how are you"
+    assert (final.served_by, final.prefill_pid, final.decode_pid) == (DISAGGREGATED, 111, 222)
+    assert final.num_output_tokens == len(ids) and final.finish_reason == "length"
+    handoff, prompt_ids = decode.calls[0]
+    assert handoff.first_token == ids[0] and prompt_ids is None
+
+
+def test_prefill_pool_failure_falls_back_to_decode_prefill(tokenizer, args):
+    prefill = ScriptedPrefill(error=PoolError("prefill: Stub process is not healthy"))
+    decode = ScriptedDecode(tokenizer.encode(" fine"))
+    final = orchestrator(tokenizer, args, prefill, decode).run(request(tokenizer), lambda r: None)
+    assert final.served_by == FALLBACK and final.finish_reason == "length"
+    handoff, prompt_ids = decode.calls[0]
+    assert handoff is None and prompt_ids == tokenizer.encode("Hi")
+
+
+def test_request_errors_from_prefill_are_not_retried(tokenizer, args):
+    decode = ScriptedDecode([5])
+    o = orchestrator(tokenizer, args, ScriptedPrefill(error=RequestError("bad seed")), decode)
+    with pytest.raises(RequestError, match="bad seed"):
+        o.run(request(tokenizer), lambda r: None)
+    assert decode.calls == []
+
+
+def test_colocated_mode_skips_the_prefill_pool(tokenizer, args):
+    prefill, decode = ScriptedPrefill(5), ScriptedDecode([5])
+    final = orchestrator(tokenizer, args, prefill, decode, COLOCATED).run(
+        request(tokenizer), lambda r: None
+    )
+    assert prefill.calls == [] and final.served_by == COLOCATED
+
+
+def test_stop_string_cancels_decode_and_cuts_the_text(tokenizer, args):
+    ids = tokenizer.encode(" one two STOP three four")
+    decode = ScriptedDecode(ids[1:])
+    final = orchestrator(tokenizer, args, ScriptedPrefill(ids[0]), decode).run(
+        request(tokenizer, stream=False, stop=("STOP",)), lambda r: None
+    )
+    assert final.text == " one two " and final.finish_reason == "stop"
+    assert decode.cancelled == ["rid"]
+
+
+def test_client_cancel_reaches_decode(tokenizer, args):
+    ids = tokenizer.encode(" a b c d e f")
+    decode = ScriptedDecode(ids[1:])
+    final = orchestrator(tokenizer, args, ScriptedPrefill(ids[0]), decode).run(
+        request(tokenizer), lambda r: None, is_cancelled=lambda: True
+    )
+    assert final.finish_reason == "abort" and decode.cancelled == ["rid"]
+
+
+def test_decode_stream_without_an_end_is_a_pool_error(tokenizer, args):
+    o = orchestrator(tokenizer, args, ScriptedPrefill(5), ScriptedDecode([6], finish=None))
+    with pytest.raises(PoolError, match="without a finish reason"):
+        o.run(request(tokenizer), lambda r: None)
+
+
+def test_non_streaming_reply_can_echo_the_prompt(tokenizer, args):
+    ids = tokenizer.encode(" there")
+    o = orchestrator(tokenizer, args, ScriptedPrefill(ids[0]), ScriptedDecode(ids[1:]))
+    req = request(tokenizer, text="Hello", stream=False)
+    echo = GenerateRequest(**{**req.__dict__, "exclude_input_in_output": False})
+    assert o.run(echo, lambda r: None).text == "Hello there"
+    assert o.run(req, lambda r: None).text == " there"
+
+
+def test_bad_requests_are_refused_before_any_pool_works(tokenizer, args):
+    prefill, decode = ScriptedPrefill(5), ScriptedDecode([5])
+    o = orchestrator(tokenizer, args, prefill, decode)
+    with pytest.raises(RequestError, match="prompt is empty"):
+        o.run(GenerateRequest("r", [], "", SamplingParams()), lambda r: None)
+    assert prefill.calls == [] and decode.calls == []
+
+
+def test_build_request_maps_trtllm_fields(tokenizer):
+    req = build_request(
+        {
+            "input_ids": [1, 2],
+            "text_input": "x",
+            "max_tokens": 9,
+            "temperature": 0.5,
+            "stop_words": ["", "END"],
+            "bad_words": ["", "bad"],
+            "end_id": 7,
+            "seed": 3,
+            "stream": True,
+        },
+        tokenizer,
+        max_tokens_default=128,
+    )
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.seed, p.stop, p.stop_token_ids) == (
+        9,
+        0.5,
+        3,
+        ("END",),
+        (7,),
+    )
+    assert p.bad_words_ids == (tuple(tokenizer.encode("bad")),) and req.stream
+    default = build_request({"input_ids": [1]}, tokenizer, max_tokens_default=128)
+    assert default.params.max_tokens == 128 and not default.stream
