@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from disagg.config import EngineConfig, ModelArgs
@@ -72,16 +73,26 @@ def validate_request(
 
 
 class PrefillEngine:
-    def __init__(self, model: Llama, config: EngineConfig) -> None:
+    def __init__(self, model: Llama, config: EngineConfig, reuse_kv_buffers: bool = False) -> None:
+        """With `reuse_kv_buffers`, every result's K/V are views of one pair of buffers,
+        valid until the next prefill: for a server that packs each result at once."""
         self.model = model
         self.config = config
+        self._kv_buffers = None
+        if reuse_kv_buffers:
+            a = model.args
+            shape = (a.n_layers, a.n_kv_heads, config.max_model_len, a.head_dim)
+            self._kv_buffers = (
+                torch.from_numpy(np.zeros(shape, np.float32)),
+                torch.from_numpy(np.zeros(shape, np.float32)),
+            )
 
     def prefill(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> PrefillResult:
         validate_request(self.model.args, self.config, prompt_ids, params)
         start = time.perf_counter()
-        logits, k, v = self.model.prefill(prompt_ids)
+        logits, k, v = self.model.prefill(prompt_ids, kv_out=self._kv_buffers)
         seed = resolve_seed(params)
         first = sample_one(logits, params, seed, [])
         kv = KVPayload.from_arrays(self.model.args, k.numpy(), v.numpy())

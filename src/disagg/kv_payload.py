@@ -5,8 +5,9 @@ Plain contiguous arrays plus metadata, so any transport can carry it: Triton ten
 Import refuses a payload made for another model, another layout, or one damaged on the way.
 
 Byte format (little endian):
-  magic b"DKV1" | u32 header length | header JSON (utf-8) | K bytes | V bytes
-The header carries the metadata below and a CRC32 of the K and V bytes.
+  magic b"DKV1" | u32 header length | header JSON (utf-8, space-padded) | K bytes | V bytes
+The header carries the metadata below and a CRC32 of the K and V bytes. `pack` writes all
+of it into one (reusable) uint8 array with a single copy of K and V.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from disagg.errors import KVPayloadError
 LAYOUT_VERSION = 1
 LAYOUT = "L,Hkv,S,D"  # axis order of k and v
 MAGIC = b"DKV1"
+HEADER_SPACE = 1024  # bytes reserved for magic + length + header JSON
 _DTYPES = {"float32": np.float32}
 
 
@@ -41,14 +43,15 @@ class KVPayload:
 
     @classmethod
     def from_arrays(cls, args: ModelArgs, k: np.ndarray, v: np.ndarray) -> KVPayload:
+        """k, v: [L, H_kv, S, D] float32, possibly strided views (`pack` gathers them)."""
         return cls(
             fingerprint=args.fingerprint,
             num_layers=args.n_layers,
             num_kv_heads=args.n_kv_heads,
             head_dim=args.head_dim,
             num_tokens=k.shape[2],
-            k=np.ascontiguousarray(k, dtype=np.float32),
-            v=np.ascontiguousarray(v, dtype=np.float32),
+            k=k,
+            v=v,
         )
 
     @property
@@ -90,11 +93,29 @@ class KVPayload:
 
     # ---------------------------------------------------------------- bytes
 
+    def packed_size(self) -> int:
+        return HEADER_SPACE + self.nbytes
+
+    def pack(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The payload as a uint8 array, written into `out` (at least `packed_size()` bytes)
+        if given. Returns a view of exactly the payload's bytes."""
+        total = self.packed_size()
+        buf = np.empty(total, np.uint8) if out is None else out[:total]
+        n = self.k.nbytes
+        body = buf[HEADER_SPACE:]
+        body[:n].view(np.float32).reshape(self.k.shape)[...] = self.k
+        body[n:].view(np.float32).reshape(self.v.shape)[...] = self.v
+        header = json.dumps({**self.metadata(), "crc32": zlib.crc32(body)}).encode()
+        room = HEADER_SPACE - 8
+        if len(header) > room:
+            raise KVPayloadError(f"KV payload header too long ({len(header)} bytes)")
+        buf[:4] = np.frombuffer(MAGIC, np.uint8)
+        buf[4:8] = np.frombuffer(struct.pack("<I", room), np.uint8)
+        buf[8:HEADER_SPACE] = np.frombuffer(header.ljust(room), np.uint8)
+        return buf
+
     def to_bytes(self) -> bytes:
-        kb, vb = self.k.tobytes(), self.v.tobytes()
-        header = {**self.metadata(), "crc32": zlib.crc32(vb, zlib.crc32(kb))}
-        hb = json.dumps(header).encode()
-        return b"".join([MAGIC, struct.pack("<I", len(hb)), hb, kb, vb])
+        return self.pack().tobytes()
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> KVPayload:

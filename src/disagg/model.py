@@ -195,15 +195,23 @@ class Llama:
 
     @torch.inference_mode()
     def prefill(
-        self, token_ids: list[int], all_logits: bool = False
+        self,
+        token_ids: list[int],
+        all_logits: bool = False,
+        kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run a whole prompt. Returns logits ([V], or [S, V] with `all_logits`) and the
-        prompt's K/V, each [L, H_kv, S, D] (contiguous: it becomes the KV payload)."""
+        prompt's K/V, each [L, H_kv, S, D]. With `kv_out` (two [L, H_kv, >=S, D] buffers)
+        K/V are written there and views of them returned: a server reuses the buffers
+        instead of faulting in tens of MB of fresh pages per long prompt."""
         a = self.args
         s = len(token_ids)
         cos, sin = self.cos[:s, None, :], self.sin[:s, None, :]  # [S, 1, D]
-        k_out = torch.empty(a.n_layers, a.n_kv_heads, s, a.head_dim)
-        v_out = torch.empty_like(k_out)
+        if kv_out is None:
+            k_out = torch.empty(a.n_layers, a.n_kv_heads, s, a.head_dim)
+            v_out = torch.empty_like(k_out)
+        else:
+            k_out, v_out = kv_out[0][:, :, :s], kv_out[1][:, :, :s]
         x = self.embed[torch.tensor(token_ids)]  # [S, dim]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)

@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+from disagg.serve.server import free_ports
 
 
 def start_server(engine_dir, build_dir, **overrides):

@@ -72,3 +72,17 @@ def test_payload_with_another_layout_version_is_refused():
     newer = KVPayload(**{**p.__dict__, "layout_version": 99})
     with pytest.raises(KVPayloadError, match="layout version"):
         newer.check_compatible(ARGS)
+
+
+def test_pack_gathers_strided_views_into_a_reused_buffer():
+    p = payload(num_tokens=5)
+    big_k = np.zeros((2, 2, 64, 16), np.float32)  # a prefill work buffer, longer than needed
+    big_v = np.zeros_like(big_k)
+    big_k[:, :, :5], big_v[:, :, :5] = p.k, p.v
+    strided = KVPayload.from_arrays(ARGS, big_k[:, :, :5], big_v[:, :, :5])
+    buf = np.full(strided.packed_size() + 100, 7, np.uint8)
+    packed = strided.pack(buf)
+    assert packed.base is buf or np.shares_memory(packed, buf)
+    assert packed.tobytes() == p.to_bytes()
+    q = KVPayload.from_bytes(packed)
+    np.testing.assert_array_equal(q.k, p.k)

@@ -19,10 +19,20 @@ from disagg.triton import protocol as P
 from disagg.triton.orchestrator import Orchestrator, build_request
 
 INPUTS = {
-    P.INPUT_IDS: "ints", P.TEXT_INPUT: "str", P.MAX_TOKENS: "int", P.STREAM: "bool",
-    P.TEMPERATURE: "float", P.TOP_K: "int", P.TOP_P: "float", P.SEED: "int",
-    P.STOP_WORDS: "strs", P.BAD_WORDS: "strs", P.END_ID: "int", P.PAD_ID: "int",
-    P.EXCLUDE_INPUT_IN_OUTPUT: "bool", P.RETURN_NUM_INPUT_TOKENS: "bool",
+    P.INPUT_IDS: "ints",
+    P.TEXT_INPUT: "str",
+    P.MAX_TOKENS: "int",
+    P.STREAM: "bool",
+    P.TEMPERATURE: "float",
+    P.TOP_K: "int",
+    P.TOP_P: "float",
+    P.SEED: "int",
+    P.STOP_WORDS: "strs",
+    P.BAD_WORDS: "strs",
+    P.END_ID: "int",
+    P.PAD_ID: "int",
+    P.EXCLUDE_INPUT_IN_OUTPUT: "bool",
+    P.RETURN_NUM_INPUT_TOKENS: "bool",
     P.RETURN_NUM_OUTPUT_TOKENS: "bool",
 }
 BATCHED = True  # max_batch_size > 0: tensors carry a batch dimension (of 1)
@@ -35,8 +45,9 @@ class TritonPythonModel:
         self.decoupled = pb.is_decoupled(args)
         self.tokenizer = Tokenizer(p["engine_dir"])
         self.max_tokens_default = int(p["max_tokens_default"])
-        config = EngineConfig(max_model_len=int(p["max_model_len"]),
-                              max_tokens_limit=int(p["max_tokens_limit"]))
+        config = EngineConfig(
+            max_model_len=int(p["max_model_len"]), max_tokens_limit=int(p["max_tokens_limit"])
+        )
         cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
         self.orchestrator = Orchestrator(
             self.tokenizer,
@@ -49,8 +60,9 @@ class TritonPythonModel:
         self.workers = ThreadPoolExecutor(int(p["max_concurrency"]), "orchestrator")
 
     def _parse(self, request):
-        req = build_request(pb.read_fields(request, INPUTS, BATCHED), self.tokenizer,
-                            self.max_tokens_default)
+        req = build_request(
+            pb.read_fields(request, INPUTS, BATCHED), self.tokenizer, self.max_tokens_default
+        )
         self.orchestrator.check_request(req)
         return req if self.decoupled else dataclasses.replace(req, stream=False)
 

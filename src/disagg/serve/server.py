@@ -6,6 +6,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -24,6 +25,17 @@ ADMIN_HEADER = "admin-key"
 # Triton APIs that change or inspect the server beyond inference: behind the admin key.
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 SHM_BYTES = 64 * 2**20  # Python backend shared memory per stub: KV payloads are tens of MB
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n ports nobody listens on right now (for tests and benchmarks)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind((host, 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 @dataclass

@@ -61,6 +61,9 @@ def server_env(install: TritonInstall, extra_pythonpath: list[Path]) -> dict[str
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in [str(install.libs), env.get("LD_LIBRARY_PATH", "")] if p
     )
+    # OMP_WAIT_POLICY is left at OpenMP's default (spin briefly, then sleep). Measured on
+    # 2 cores (docs/benchmarks.md): ACTIVE lets idle threads of one model process starve
+    # the others (served throughput fell to 10%); PASSIVE slows every decode step by 15-35%.
     env["PYTHONPATH"] = os.pathsep.join(
         [str(p) for p in extra_pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )

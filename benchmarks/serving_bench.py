@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""The served pipeline (real tritonserver, HTTP clients) against the raw engine, in one run.
+
+  - TTFT at concurrency 1: served (client-measured, generate_stream) minus in-process engine
+  - throughput at concurrency 16: served streams vs the engine's own continuous batch
+  - KV hand-off for 1024-token prompts: bytes and time, against that request's TTFT
+Prints a table and writes results/serving_bench.json.
+
+    python benchmarks/serving_bench.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from disagg.client import HttpClient
+from disagg.llm import LLM
+from disagg.sequence import SamplingParams
+from disagg.serve.server import TritonServer, free_ports
+from disagg.serve.settings import ServeSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the ocean and the moon.",
+    "Explain why the sky is blue to a child.",
+    "List five fruits and their colours.",
+    "Describe a busy train station in the morning.",
+    "Give three tips for learning a new language.",
+    "What do bees do in winter?",
+    "Tell me a story about a brave little robot.",
+]
+
+
+def engine_ttft(llm: LLM, prompt: str, reps: int) -> float:
+    ids = llm.encode(prompt)
+    params = SamplingParams(max_tokens=1)
+    llm.prefill_engine.prefill("warm", ids, params)
+    times = []
+    for i in range(reps):
+        t = time.perf_counter()
+        llm.prefill_engine.prefill(f"r{i}", ids, params)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def served_ttft(http: HttpClient, prompt: str, reps: int) -> float:
+    body = {"text_input": prompt, "apply_chat_template": True, "max_tokens": 4}
+    http.generate("ensemble", body, stream=True)
+    return statistics.median(
+        http.generate("ensemble", body, stream=True).ttft_s for _ in range(reps)
+    )
+
+
+def engine_throughput(llm: LLM, n: int, max_tokens: int) -> tuple[float, int]:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    t = time.perf_counter()
+    comps = llm.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    tokens = sum(len(c.token_ids) for c in comps)
+    return tokens / (time.perf_counter() - t), tokens
+
+
+def served_throughput(http: HttpClient, n: int, max_tokens: int) -> tuple[float, int]:
+    results = [None] * n
+
+    def run(i):
+        results[i] = http.generate(
+            "ensemble",
+            {
+                "text_input": PROMPTS[i % len(PROMPTS)],
+                "apply_chat_template": True,
+                "max_tokens": max_tokens,
+            },
+            stream=True,
+        )
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    tokens = sum(r.num_output_tokens for r in results)
+    return tokens / (time.perf_counter() - t), tokens
+
+
+def handoff(http: HttpClient, n_tokens: int, reps: int) -> dict:
+    rows = []
+    for i in range(reps + 1):
+        ids = torch.randint(100, 40000, (n_tokens,), generator=torch.Generator().manual_seed(i))
+        r = http.generate("orchestrator", {"input_ids": ids.tolist(), "max_tokens": 2}, stream=True)
+        rows.append((r.ttft_s, r.extra["kv_handoff_us"] / 1e6, r.extra["kv_bytes"]))
+    rows = rows[1:]  # the first one warms up shared memory
+    ttft = statistics.median(r[0] for r in rows)
+    t = statistics.median(r[1] for r in rows)
+    return {
+        "prompt_tokens": n_tokens,
+        "kv_MB": rows[0][2] / 1e6,
+        "handoff_ms": t * 1e3,
+        "ttft_ms": ttft * 1e3,
+        "handoff_share_of_ttft": t / ttft,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--engine-dir", default=str(ROOT / "engines" / "smollm2-135m-instruct"))
+    p.add_argument("--out", default=str(ROOT / "results"))
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args()
+    reps, n_conc, max_tokens = (3, 8, 32) if a.quick else (10, 16, 64)
+
+    print("loading the in-process engine ...", flush=True)
+    llm = LLM(a.engine_dir)
+    res: dict = {"command": " ".join(sys.argv), "threads": torch.get_num_threads()}
+    print("engine: TTFT, throughput ...", flush=True)
+    res["engine_ttft_ms"] = engine_ttft(llm, PROMPTS[0], reps) * 1e3
+    res["engine_tok_s"], res["engine_tokens"] = engine_throughput(llm, n_conc, max_tokens)
+    del llm
+
+    http_port, grpc_port, metrics_port = free_ports(3)
+    settings = dataclasses.replace(  # DISAGG_<SETTING> variables apply, as for make serve
+        ServeSettings.load(),
+        engine_dir=a.engine_dir,
+        build_dir=tempfile.mkdtemp(),
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        decode_max_num_seqs=n_conc,
+    )
+    res["settings"] = dataclasses.asdict(settings)
+    print("starting tritonserver ...", flush=True)
+    with TritonServer(settings) as server:
+        http = HttpClient(server.endpoints.http)
+        print("served: TTFT, throughput, KV hand-off ...", flush=True)
+        res["served_ttft_ms"] = served_ttft(http, PROMPTS[0], reps) * 1e3
+        res["served_tok_s"], res["served_tokens"] = served_throughput(http, n_conc, max_tokens)
+        res["handoff"] = handoff(http, 1024, 3 if a.quick else 5)
+    res["ttft_overhead_ms"] = res["served_ttft_ms"] - res["engine_ttft_ms"]
+    res["throughput_ratio"] = res["served_tok_s"] / res["engine_tok_s"]
+
+    h = res["handoff"]
+    print(f"""
+| measure | engine (in-process) | served (tritonserver) | result |
+|---|---|---|---|
+| TTFT, concurrency 1 (ms) | {res["engine_ttft_ms"]:.1f} | {res["served_ttft_ms"]:.1f} | +{res["ttft_overhead_ms"]:.1f} ms |
+| throughput, concurrency {n_conc} (tok/s) | {res["engine_tok_s"]:.1f} | {res["served_tok_s"]:.1f} | {res["throughput_ratio"] * 100:.0f}% |
+| KV hand-off, {h["prompt_tokens"]}-token prompt | | {h["kv_MB"]:.1f} MB in {h["handoff_ms"]:.1f} ms | {h["handoff_share_of_ttft"] * 100:.1f}% of TTFT ({h["ttft_ms"]:.0f} ms) |
+""")  # noqa: E501
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving_bench.json").write_text(json.dumps(res, indent=2))
+    print(f"wrote {out / 'serving_bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
