@@ -179,7 +179,7 @@ def plot(results: dict, path: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads, {platform.processor()}")
+    fig.suptitle(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads (higher is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
