@@ -6,11 +6,9 @@ import os
 import uuid
 from pathlib import Path
 
-import torch
 import triton_python_backend_utils as pb_utils
 
 from disagg.cancel import CancelRegistry
-from disagg.config import EngineConfig
 from disagg.engine import DecodeEngine
 from disagg.model import Llama
 from disagg.tokenizer import Tokenizer
@@ -22,13 +20,8 @@ from disagg.triton.decode_service import DecodeService
 class TritonPythonModel:
     def initialize(self, args):
         p = pb.model_parameters(args)
-        if int(p.get("torch_threads", "0")) > 0:
-            torch.set_num_threads(int(p["torch_threads"]))
-        config = EngineConfig(
-            max_num_seqs=int(p["max_num_seqs"]),
-            max_model_len=int(p["max_model_len"]),
-            max_tokens_limit=int(p["max_tokens_limit"]),
-        )
+        pb.set_torch_threads(p)
+        config = pb.engine_config(p)
         eos = {Tokenizer(p["engine_dir"]).eos_token_id} - {None}
         engine = DecodeEngine(Llama.load(p["engine_dir"]), config, eos)
         cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from disagg.cancel import CancelRegistry
-from disagg.config import EngineConfig, load_model_args
+from disagg.config import load_model_args
 from disagg.tokenizer import Tokenizer
 from disagg.triton import pb
 from disagg.triton import protocol as P
@@ -45,9 +45,7 @@ class TritonPythonModel:
         self.decoupled = pb.is_decoupled(args)
         self.tokenizer = Tokenizer(p["engine_dir"])
         self.max_tokens_default = int(p["max_tokens_default"])
-        config = EngineConfig(
-            max_model_len=int(p["max_model_len"]), max_tokens_limit=int(p["max_tokens_limit"])
-        )
+        config = pb.engine_config(p)
         cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
         self.orchestrator = Orchestrator(
             self.tokenizer,

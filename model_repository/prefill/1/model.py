@@ -4,10 +4,8 @@ import os
 import time
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
-from disagg.config import EngineConfig
 from disagg.engine import PrefillEngine
 from disagg.model import Llama
 from disagg.sequence import SamplingParams
@@ -20,11 +18,8 @@ INPUTS = {P.PROMPT_IDS: "ints", P.SAMPLING: "str"}
 class TritonPythonModel:
     def initialize(self, args):
         p = pb.model_parameters(args)
-        if int(p.get("torch_threads", "0")) > 0:
-            torch.set_num_threads(int(p["torch_threads"]))
-        config = EngineConfig(
-            max_model_len=int(p["max_model_len"]), max_tokens_limit=int(p["max_tokens_limit"])
-        )
+        pb.set_torch_threads(p)
+        config = pb.engine_config(p)
         self.engine = PrefillEngine(Llama.load(p["engine_dir"]), config, reuse_kv_buffers=True)
         # Payload buffers, one per request of an execute() call, reused across calls: their
         # pages are faulted in once instead of once per long prompt.

@@ -17,6 +17,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg.cancel import CancelRegistry
+from disagg.config import EngineConfig
 from disagg.errors import CapacityError, EngineDeadError, KVPayloadError, RequestError
 from disagg.sequence import SamplingParams
 from disagg.triton import protocol as P
@@ -29,6 +30,22 @@ def model_parameters(args: dict) -> dict[str, str]:
     """The `parameters` of a model's config.pbtxt, as strings."""
     config = json.loads(args["model_config"])
     return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def engine_config(p: dict[str, str]) -> EngineConfig:
+    """The EngineConfig a model's parameters describe (max_num_seqs only for decode)."""
+    extra = {"max_num_seqs": int(p["max_num_seqs"])} if "max_num_seqs" in p else {}
+    return EngineConfig(
+        max_model_len=int(p["max_model_len"]), max_tokens_limit=int(p["max_tokens_limit"]), **extra
+    )
+
+
+def set_torch_threads(p: dict[str, str]) -> None:
+    """Threads for this model process; 0 or absent keeps torch's default (all cores)."""
+    import torch
+
+    if int(p.get("torch_threads", "0")) > 0:
+        torch.set_num_threads(int(p["torch_threads"]))
 
 
 def is_decoupled(args: dict) -> bool:
