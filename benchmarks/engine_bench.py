@@ -76,7 +76,9 @@ def ours_prefill(model: Llama, n: int, reps: int) -> float:
 def ours_decode(model: Llama, batch: int, steps: int, prompt_len: int) -> float:
     """Tokens/s of DecodeEngine.step() with `batch` sequences running (sampling and
     scheduling included), prompts prefilled before the clock starts."""
-    cfg = EngineConfig(max_num_seqs=max(batch, 1), max_model_len=model.args.max_context)
+    cfg = EngineConfig(
+        max_num_seqs=max(batch, 1), max_model_len=model.args.max_context, prefault_kv=True
+    )  # as the served decode model does
     engine = DecodeEngine(model, cfg, eos_token_ids=set())
     params = SamplingParams(max_tokens=steps + 3, ignore_eos=True)
     for i in range(batch):

@@ -113,7 +113,9 @@ class DecodeEngine:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.scheduler = Scheduler(config)
-        self.cache = KVCacheSlots(model.args, config.max_num_seqs, config.max_model_len)
+        self.cache = KVCacheSlots(
+            model.args, config.max_num_seqs, config.max_model_len, prefault=config.prefault_kv
+        )
         self._seqs: dict[str, Sequence] = {}
         self._finish_requests: dict[str, FinishReason] = {}
         self._prompts: dict[str, list[int]] = {}  # co-located requests awaiting prefill

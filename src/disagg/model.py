@@ -115,10 +115,15 @@ class KVCacheSlots:
     and unwritten positions read as zeros (never NaN), which masked attention relies on.
     """
 
-    def __init__(self, args: ModelArgs, max_slots: int, max_len: int) -> None:
+    def __init__(
+        self, args: ModelArgs, max_slots: int, max_len: int, prefault: bool = False
+    ) -> None:
         shape = (args.n_layers, max_slots, args.n_kv_heads, max_len, args.head_dim)
         self.k = torch.from_numpy(np.zeros(shape, dtype=np.float32))
         self.v = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+        if prefault:  # write every page now rather than on the first decode step using it
+            self.k.numpy().fill(0.0)
+            self.v.numpy().fill(0.0)
         self.max_slots = max_slots
         self.max_len = max_len
 
