@@ -1,9 +1,11 @@
 """Bring a model back when one of its Python backend stub processes dies.
 
 Triton 2.51 marks a dead stub "not healthy" and fails every later request to that model
-instance; it does not start a new one. The supervisor counts each model's stub processes
-(children of tritonserver) and, when a model has fewer than it had when the server became
-ready, reloads that model through the repository API, which starts fresh stubs.
+instance; it does not start a new one, and the model still reports READY. The supervisor
+counts each READY model's stub processes (children of tritonserver) and, when a model has had
+fewer than it had when it became ready for two checks in a row, reloads it through the
+repository API, which starts fresh stubs. A model an operator unloaded is not READY, so it is
+left alone (and counted afresh once it is loaded again).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class StubSupervisor:
         self._thread = threading.Thread(target=self._loop, name="stub-supervisor", daemon=True)
 
     def start(self) -> StubSupervisor:
-        self.expected = stub_models(self.server_pid)
+        self._short: Counter = Counter()  # checks in a row a model has been short of stubs
         self._thread.start()
         return self
 
@@ -68,10 +70,36 @@ class StubSupervisor:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            live = stub_models(self.server_pid)
-            for model, count in self.expected.items():
-                if live[model] < count:
+            try:
+                self.check()
+            except OSError as e:  # the server is going away, or busy: try again next time
+                log.debug("supervisor check failed: %s", e)
+
+    def check(self) -> None:
+        live = stub_models(self.server_pid)
+        ready = self._ready_models()
+        for model in list(self.expected):
+            if model not in ready:  # unloaded or loading: not ours to restart
+                del self.expected[model]
+                self._short.pop(model, None)
+        for model in ready:
+            if model not in self.expected:
+                if live[model]:  # python-backend models only (ensembles have no stub)
+                    self.expected[model] = live[model]
+            elif live[model] < self.expected[model]:
+                self._short[model] += 1
+                if self._short[model] >= 2:
+                    self._short.pop(model)
                     self._reload(model)
+            else:
+                self._short.pop(model, None)
+
+    def _ready_models(self) -> set[str]:
+        req = urllib.request.Request(
+            f"{self.http_url}/v2/repository/index", data=b"{}", headers=self.headers, method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return {m["name"] for m in json.loads(r.read()) if m.get("state") == "READY"}
 
     def _reload(self, model: str) -> None:
         """Unload, then load: a plain load of an unchanged, loaded model is a no-op."""

@@ -1,0 +1,60 @@
+"""`make serve`'s command as a user runs it: banner, a request, Ctrl-C, clean exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from disagg.serve.server import free_ports
+
+pytestmark = pytest.mark.integration
+
+
+def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path):
+    http, grpc, metrics = free_ports(3)
+    env = {
+        **os.environ,
+        "DISAGG_ENGINE_DIR": str(engine_dir),
+        "DISAGG_BUILD_DIR": str(tmp_path),
+        "DISAGG_HTTP_PORT": str(http),
+        "DISAGG_GRPC_PORT": str(grpc),
+        "DISAGG_METRICS_PORT": str(metrics),
+        "DISAGG_DECODE_MAX_NUM_SEQS": "2",
+    }
+    env.pop("DISAGG_ADMIN_KEY", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "disagg.serve"],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    lines = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("Ctrl-C to stop" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        banner = "".join(lines)
+        assert f"http://127.0.0.1:{http}" in banner and f"127.0.0.1:{grpc}" in banner
+        assert "curl" in banner and "admin-key: " in banner
+        body = json.dumps({"text_input": "Hi", "apply_chat_template": True, "max_tokens": 4})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{http}/v2/models/ensemble/generate", data=body.encode()
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["num_output_tokens"] > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "stopping" in out
+    with pytest.raises(OSError):  # nothing listens any more
+        urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/live", timeout=2)
