@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -340,7 +339,3 @@ def read_kv_handoff(request, request_id: str):
     return PrefillResult(
         request_id, int(first.reshape(-1)[0]), kv, int(seed.reshape(-1)[0]), 0.0
     ), None
-
-
-def now_us() -> int:
-    return int(time.perf_counter() * 1e6)
