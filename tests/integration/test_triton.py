@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -197,6 +198,19 @@ def test_bad_input_gets_a_clear_error_and_the_next_request_succeeds(http, body, 
     with pytest.raises(GenerateError) as err:
         http.generate("ensemble", body)
     assert err.value.status == 400 and message in str(err.value)
+    assert http.generate("ensemble", chat("Hi", 4)).num_output_tokens > 0
+
+
+def test_chat_messages_alone_are_a_prompt(http):
+    messages = json.dumps([{"role": "user", "content": PROMPTS[0]}])
+    by_messages = http.generate("ensemble", {"messages": messages, "max_tokens": 48})
+    assert by_messages.text == http.generate("ensemble", chat(PROMPTS[0])).text
+
+
+def test_a_request_with_no_prompt_at_all_is_refused(http):
+    with pytest.raises(GenerateError) as err:
+        http.generate("ensemble", {"max_tokens": 8})
+    assert err.value.status == 400 and "0 inputs" in str(err.value)
     assert http.generate("ensemble", chat("Hi", 4)).num_output_tokens > 0
 
 
