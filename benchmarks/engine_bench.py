@@ -27,7 +27,7 @@ import torch
 
 from disagg.config import EngineConfig, ModelArgs
 from disagg.engine import DecodeEngine
-from disagg.model import Llama
+from disagg.model import Llama, bf16_supported
 from disagg.sequence import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in ("disagg", "transformers"):
+    for name in results["prefill_tok_s"]:
         pf = results["prefill_tok_s"][name]
         ax1.plot([int(k) for k in pf], list(pf.values()), marker="o", label=name)
         dc = results["decode_tok_s"][name]
@@ -208,18 +208,26 @@ def main() -> int:
     print("cold start to first token ...", flush=True)
     res["cold_start_s"] = cold_start(a.engine_dir)
     model = Llama.load(a.engine_dir)
+    model_bf16 = Llama.load(a.engine_dir, "bfloat16") if bf16_supported() else None
     hf = None if a.no_transformers else hf_model(a.engine_dir, model.args)
-    names = ["disagg"] + ([] if hf is None else ["transformers"])
+    names = ["disagg"] + (["disagg-bf16"] if model_bf16 else [])
+    names += [] if hf is None else ["transformers"]
     res["prefill_tok_s"] = {n: {} for n in names}
     res["decode_tok_s"] = {n: {} for n in names}
     for n in prefill_sizes:  # side by side per size: noise hits both alike
         print(f"prefill {n} tokens ...", flush=True)
         res["prefill_tok_s"]["disagg"][str(n)] = ours_prefill(model, n, reps)
+        if model_bf16 is not None:
+            res["prefill_tok_s"]["disagg-bf16"][str(n)] = ours_prefill(model_bf16, n, reps)
         if hf is not None:
             res["prefill_tok_s"]["transformers"][str(n)] = hf_prefill(hf, n, reps)
     for b in batches:
         print(f"decode {b} sequences ...", flush=True)
         res["decode_tok_s"]["disagg"][str(b)] = ours_decode(model, b, steps, prompt_len)
+        if model_bf16 is not None:
+            res["decode_tok_s"]["disagg-bf16"][str(b)] = ours_decode(
+                model_bf16, b, steps, prompt_len
+            )
         if hf is not None:
             res["decode_tok_s"]["transformers"][str(b)] = hf_decode(hf, b, steps, prompt_len)
 

@@ -23,6 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     g.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="matmul precision (bfloat16 needs a CPU with native bf16)",
+    )
+    g.add_argument(
         "--co-located",
         action="store_true",
         help="let decode prefill too (default: prefill engine, KV hand-off)",
@@ -32,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         start = time.perf_counter()
-        llm = LLM(a.engine_dir, disaggregated=not a.co_located)
+        llm = LLM(a.engine_dir, disaggregated=not a.co_located, compute_dtype=a.dtype)
         params = SamplingParams(
             max_tokens=a.max_tokens,
             temperature=a.temperature,

@@ -36,8 +36,9 @@ class LLM:
         engine_dir: str | Path,
         config: EngineConfig | None = None,
         disaggregated: bool = True,
+        compute_dtype: str = "float32",
     ) -> None:
-        self.model = Llama.load(engine_dir)
+        self.model = Llama.load(engine_dir, compute_dtype)
         self.tokenizer = Tokenizer(engine_dir)
         self.config = config or EngineConfig(max_model_len=self.model.args.max_context)
         self.prefill_engine = PrefillEngine(self.model, self.config)

@@ -23,7 +23,9 @@ class TritonPythonModel:
         pb.set_torch_threads(p)
         config = pb.engine_config(p)
         eos = {Tokenizer(p["engine_dir"]).eos_token_id} - {None}
-        engine = DecodeEngine(Llama.load(p["engine_dir"]), config, eos)
+        engine = DecodeEngine(
+            Llama.load(p["engine_dir"], p.get("compute_dtype", "float32")), config, eos
+        )
         cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.metric_family = family = pb_utils.MetricFamily(  # must outlive its metrics

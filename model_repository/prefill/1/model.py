@@ -20,7 +20,11 @@ class TritonPythonModel:
         p = pb.model_parameters(args)
         pb.set_torch_threads(p)
         config = pb.engine_config(p)
-        self.engine = PrefillEngine(Llama.load(p["engine_dir"]), config, reuse_kv_buffers=True)
+        self.engine = PrefillEngine(
+            Llama.load(p["engine_dir"], p.get("compute_dtype", "float32")),
+            config,
+            reuse_kv_buffers=True,
+        )
         # Payload buffers, one per request of an execute() call, reused across calls: their
         # pages are faulted in once instead of once per long prompt.
         self.buffers: list[np.ndarray] = []

@@ -36,6 +36,7 @@ class ServeSettings:
     max_tokens_limit: int = 1024  # largest max_tokens a request may ask for
     max_tokens_default: int = 128  # when a request does not say
     max_batch_size: int = 8  # Triton batch dimension of client-facing models (requests are 1)
+    compute_dtype: str = "float32"  # or "bfloat16": half the weight bytes, CPUs with bf16 only
     prefill_torch_threads: int = 0  # 0: torch's default (all cores)
     decode_torch_threads: int = 0
     prefill_timeout_s: float = 60.0  # then the request falls back to decode's own prefill
@@ -58,6 +59,10 @@ class ServeSettings:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be >= 1")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"setting compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}"
+            )
         if self.mode not in MODES:
             raise ConfigError(f"setting mode must be one of {MODES}, got {self.mode!r}")
         if not 1 <= self.max_tokens_default <= self.max_tokens_limit < self.max_model_len:
