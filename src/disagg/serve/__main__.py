@@ -43,7 +43,8 @@ disagg is serving {settings.engine_dir} ({settings.mode}: {settings.prefill_inst
 
 Try:
   curl -s -X POST {e.http}/v2/models/ensemble/generate -d '{{"text_input":
-    "What is the capital of France?", "apply_chat_template": true, "max_tokens": 32}}'
+    "What is the capital of France?", "apply_chat_template": true, "max_tokens": 32,
+    "exclude_input_in_output": true}}'
   curl -sN -X POST {e.http}/v2/models/ensemble/generate_stream -d '{{"text_input":
     "Tell me a joke.", "apply_chat_template": true, "max_tokens": 64, "stream": true}}'
   .venv/bin/python client/disagg_client.py --chat "Tell me a joke."
