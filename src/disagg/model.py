@@ -156,13 +156,6 @@ class KVCacheSlots:
         self.k.numpy()[:, slot, :, :n] = k
         self.v.numpy()[:, slot, :, :n] = v
 
-    def read(self, slot: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of a slot's first `num_tokens` positions: k, v [L, H_kv, S, D]."""
-        return (
-            self.k[:, slot, :, :num_tokens].clone(),
-            self.v[:, slot, :, :num_tokens].clone(),
-        )
-
     def move(self, src: int, dst: int, num_tokens: int) -> None:
         self.k[:, dst, :, :num_tokens] = self.k[:, src, :, :num_tokens]
         self.v[:, dst, :, :num_tokens] = self.v[:, src, :, :num_tokens]

@@ -35,10 +35,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i].slot == i
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def add(self, seq: Sequence) -> None:
         if seq.max_num_tokens > self.config.max_model_len:
             raise RequestError(
@@ -88,12 +84,6 @@ class Scheduler:
             last.slot = seq.slot
         seq.slot = -1
         return move
-
-    def find(self, request_id: str) -> Sequence | None:
-        for seq in (*self.running, *self.waiting):
-            if seq.request_id == request_id:
-                return seq
-        return None
 
     def postprocess(
         self, seqs: list[Sequence], token_ids: list[int]

@@ -55,10 +55,6 @@ class DecodeService:
             self._wake.notify()
         self._thread.join(timeout=10)
 
-    @property
-    def num_active(self) -> int:
-        return len(self._sinks)
-
     def submit(
         self,
         request_id: str,
