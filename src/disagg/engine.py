@@ -138,11 +138,11 @@ class DecodeEngine:
             raise RequestError("give exactly one of prompt_ids and a prefill result")
         if prefill is not None:
             prefill.kv.check_compatible(self.model.args)
+            params.validate(self.model.args.vocab_size, self.config.max_tokens_limit)
             prompt_len, output, seed = prefill.kv.num_tokens, [prefill.first_token], prefill.seed
-        else:
+        else:  # validate_request checks the sampling parameters too
             validate_request(self.model.args, self.config, prompt_ids, params)
             prompt_len, output, seed = len(prompt_ids), [], resolve_seed(params)
-        params.validate(self.model.args.vocab_size, self.config.max_tokens_limit)
         seq = Sequence(
             request_id,
             prompt_len,

@@ -69,32 +69,35 @@ class LLM:
             self.decode_engine.add_request(rid, params, prompt_ids=prompt_ids)
         return comp
 
+    def _start(
+        self, prompt: Prompt, params: SamplingParams, chat: bool
+    ) -> tuple[Completion, TextStream, str]:
+        """Submit one request; returns it, its text stream and the first token's text (when
+        prefill already produced that token)."""
+        comp = self.submit(self.encode(prompt, chat), params)
+        text = TextStream(self.tokenizer, params.stop)
+        first = "".join(text.push(t) for t in comp.token_ids)
+        comp.text += first
+        return comp, text, first
+
     def generate(
         self, prompts: list[Prompt], params: SamplingParams, chat: bool = True
     ) -> list[Completion]:
-        comps = {}
-        streams = {}
-        for p in prompts:
-            c = self.submit(self.encode(p, chat), params)
-            comps[c.request_id] = c
-            streams[c.request_id] = TextStream(self.tokenizer, params.stop)
-            for t in c.token_ids:
-                c.text += streams[c.request_id].push(t)
+        started = [self._start(p, params, chat) for p in prompts]
+        by_id = {comp.request_id: (comp, text) for comp, text, _ in started}
         while self.decode_engine.has_unfinished:
             for out in self.decode_engine.step():
-                self._apply(comps[out.request_id], streams[out.request_id], out)
-        return list(comps.values())
+                self._apply(*by_id[out.request_id], out)
+        return [comp for comp, _, _ in started]
 
     def stream(self, prompt: Prompt, params: SamplingParams, chat: bool = True) -> Iterator[str]:
         """Text deltas of one request as they are produced."""
-        comp = self.submit(self.encode(prompt, chat), params)
-        text = TextStream(self.tokenizer, params.stop)
-        for t in comp.token_ids:
-            if delta := text.push(t):
-                yield delta
+        comp, text, first = self._start(prompt, params, chat)
+        if first:
+            yield first
         while comp.finish_reason is None:
             for out in self.decode_engine.step():
-                if delta := self._apply(comp, text, out):
+                if out.request_id == comp.request_id and (delta := self._apply(comp, text, out)):
                     yield delta
 
     def _apply(self, comp: Completion, text: TextStream, out: TokenOutput) -> str:
