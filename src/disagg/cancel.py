@@ -3,8 +3,11 @@
 The orchestrator cannot cancel a BLS stream it started (Triton 2.51's Python backend has no
 cancel on a response iterator), and with several decode instances it cannot address the one
 serving a request. So it marks the request id here, and every decode instance looks for
-the ids it is serving between steps. Ids are made by the orchestrator (hex), never by
-clients, so they are safe file names.
+the ids it is serving between steps.
+
+Ids form a hierarchy with dots: the orchestrator names a request `<caller's id>.<hex>`, and a
+mark on the caller's id (the router's, say) cancels it too, since the caller cannot know the
+id the orchestrator made. Ids that are not safe file names are never marked or matched.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ class CancelRegistry:
         self._path(request_id).touch()
 
     def is_marked(self, request_id: str) -> bool:
-        return _SAFE_ID.match(request_id) is not None and self._path(request_id).exists()
+        """Whether this id or one it extends (`a` for `a.b`) is marked."""
+        if _SAFE_ID.match(request_id) is None:
+            return False
+        parts = request_id.split(".")
+        return any(
+            (self.directory / ".".join(parts[:n])).exists() for n in range(len(parts), 0, -1)
+        )
 
     def clear(self, request_id: str) -> None:
         if _SAFE_ID.match(request_id):

@@ -28,5 +28,9 @@ class EngineDeadError(DisaggError):
     """The engine hit an unrecoverable failure; no further request will be served."""
 
 
+class PoolError(DisaggError):
+    """A pool or pipeline failed, timed out or is unavailable; the request itself may be fine."""
+
+
 class ConfigError(DisaggError):
     """A setting or an engine directory is invalid; raised at start, never per request."""

@@ -24,7 +24,7 @@ import numpy as np
 
 from disagg.config import EngineConfig, ModelArgs
 from disagg.engine import validate_request
-from disagg.errors import DisaggError
+from disagg.errors import PoolError
 from disagg.sequence import FinishReason, SamplingParams
 from disagg.tokenizer import TextStream, Tokenizer
 
@@ -34,10 +34,6 @@ DISAGGREGATED = "disaggregated"
 COLOCATED = "colocated"
 FALLBACK = "fallback"  # disaggregated, but the prefill pool failed: decode prefilled
 MODES = (DISAGGREGATED, COLOCATED)
-
-
-class PoolError(DisaggError):
-    """A pool failed, timed out or is unavailable; the request itself may be fine."""
 
 
 @dataclass(frozen=True)
@@ -109,10 +105,20 @@ class Reply:
     kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
 
 
+def request_id_for(caller_id: str) -> str:
+    """A unique id that extends the caller's (when it is a safe name), so a caller that
+    marks its own id in the cancel registry cancels this request too."""
+    suffix = uuid.uuid4().hex
+    if caller_id and len(caller_id) <= 96 and all(c.isalnum() or c in "_-." for c in caller_id):
+        return f"{caller_id}.{suffix[:12]}"
+    return suffix
+
+
 def build_request(
     fields: dict,
     tokenizer: Tokenizer,
     max_tokens_default: int,
+    caller_id: str = "",
 ) -> GenerateRequest:
     """Client-facing fields (TensorRT-LLM ensemble names, already plain Python values) ->
     a validated-shape GenerateRequest. Semantic limits are checked by `check_request`."""
@@ -132,7 +138,7 @@ def build_request(
         bad_words_ids=bad,
     )
     return GenerateRequest(
-        request_id=uuid.uuid4().hex,
+        request_id=request_id_for(caller_id),
         prompt_ids=prompt_ids,
         prompt_text=fields.get("text_input", ""),
         params=params,
