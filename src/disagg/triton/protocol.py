@@ -31,6 +31,12 @@ EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
 RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 
+# router-only inputs: routing hints (all optional)
+MODEL = "model"  # public model name (the OpenAI `model`); routing rules may match on it
+LATENCY_SLA_MS = "latency_sla_ms"  # FP32: the client's latency target
+TASK_TYPE = "task_type"  # e.g. "interactive", "batch_offline"
+PRIORITY = "priority"  # INT32: larger is more urgent
+
 TEXT_OUTPUT = "text_output"
 NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
@@ -52,7 +58,11 @@ PREFILL_PID = "prefill_pid"  # INT32 [1]: orchestrator's final response (0: no p
 DECODE_PID = "decode_pid"  # INT32 [1]
 KV_BYTES = "kv_bytes"  # INT64 [1]: orchestrator's final response
 KV_HANDOFF_US = "kv_handoff_us"  # INT64 [1]
-SERVED_BY = "served_by"  # BYTES [1]: "disaggregated" | "colocated" | "fallback"
+SERVED_BY = "served_by"  # BYTES [1]: "disaggregated" | "colocated" | "fallback" | endpoint
+# ------------------------------------------------------------------ router's final response
+ROUTE_TARGET = "route_target"  # BYTES [1]: the policy target that served the request
+ROUTE_REASON = "route_reason"  # BYTES [1]: rule name, "default", or why it fell back
+ERROR = "error"  # BYTES [1]: with finish_reason "error": what failed after text was sent
 
 
 def sampling_to_json(params: SamplingParams) -> str:

@@ -1,0 +1,230 @@
+r"""The router: one entry point that serves each request on the target its policy and the
+endpoints' live state choose. No Triton here (pb.py implements the local pipeline with BLS).
+
+    request --policy--> "openai" target --endpoint 1, 2, ... (skip: circuit open, no budget)
+                   \                      | fails before any text reached the client
+                    \                     v
+                     `----> "triton" target (the local prefill/decode pipeline)
+
+Once text has reached the client, a failing endpoint ends the request with finish reason
+"error" (the client has a partial answer; serving it again elsewhere would duplicate it).
+A non-streaming request has sent nothing before it ends, so it can always fall back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from disagg.errors import PoolError
+from disagg.routing.endpoint import ChatRequest, EndpointError, OpenAIEndpoint
+from disagg.routing.policy import OPENAI, Policy, PolicySource, RouteFeatures, Target
+
+log = logging.getLogger("disagg.router")
+FINISH_ERROR = "error"  # an endpoint failed after part of the answer was sent
+
+
+@dataclass
+class RoutedReply:
+    """One response: a delta while streaming, or the final reply (finish_reason set)."""
+
+    text: str
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    target: str = ""  # final: the policy target that served it
+    reason: str = ""  # final: why (rule name, "default", or what made it fall back)
+    served_by: str = ""  # final: endpoint name, or the local pipeline's own served_by
+    error: str = ""  # final, with finish_reason "error": what failed
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str  # unique: the local pipeline's cancellation is addressed by it
+    features: RouteFeatures
+    local_fields: dict  # the client's fields plus input_ids: what the local pipeline takes
+    chat: ChatRequest | None  # what an endpoint gets; None if it cannot be expressed as one
+    not_for_endpoints: tuple[str, ...] = ()  # why `chat` is None (fields only local honours)
+    prompt_text: str = ""  # echoed when exclude_input_in_output is false (non-streaming)
+    stream: bool = False
+    exclude_input_in_output: bool = True
+
+
+class LocalPipeline(Protocol):
+    def generate(self, model: str, request_id: str, fields: dict) -> Iterator[RoutedReply]:
+        """The local pipeline's responses: deltas, then the final one (finish_reason set)."""
+        ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+
+class RouterEvents:
+    """Hooks for metrics; the default does nothing."""
+
+    def decision(self, target: str, reason: str) -> None: ...
+
+    def fallback(self, planned: str, cause: str) -> None: ...
+
+    def endpoint_error(self, endpoint: str, kind: str) -> None: ...
+
+
+def new_request_id(client_id: str = "") -> str:
+    """Unique, file-name safe, and greppable by the client's own id when it sent one."""
+    safe = "".join(c for c in client_id if c.isalnum() or c in "_-")[:64]
+    return f"{safe}-{uuid.uuid4().hex[:16]}" if safe else uuid.uuid4().hex
+
+
+class Router:
+    def __init__(
+        self,
+        policy: PolicySource,
+        local: LocalPipeline,
+        count_tokens: Callable[[str], int],
+        events: RouterEvents | None = None,
+    ) -> None:
+        self.policy = policy
+        self.local = local
+        self.count_tokens = count_tokens  # usage for endpoints that do not report it
+        self.events = events or RouterEvents()
+        self._endpoints: dict[str, OpenAIEndpoint] = {}
+        self._lock = threading.Lock()
+
+    def endpoint(self, policy: Policy, name: str) -> OpenAIEndpoint:
+        """Endpoint state lives across requests; a reloaded policy that changes an endpoint's
+        settings starts it afresh."""
+        config = policy.endpoints[name]
+        with self._lock:
+            ep = self._endpoints.get(name)
+            if ep is None or ep.config != config:
+                ep = self._endpoints[name] = OpenAIEndpoint(config)
+            return ep
+
+    def run(
+        self,
+        req: RouteRequest,
+        emit: Callable[[RoutedReply], None],
+        is_cancelled: Callable[[], bool] = lambda: False,
+    ) -> RoutedReply:
+        policy = self.policy.current()
+        planned, reason = policy.route(req.features)
+        target = policy.targets[planned]
+        if target.kind == OPENAI:
+            cause = self._why_not_endpoints(req)
+            if cause is None:
+                reply, cause = self._try_endpoints(policy, target, req, emit, is_cancelled)
+                if reply is not None:
+                    return self._done(reply, planned, reason)
+            local = policy.fallback_for(planned)
+            log.info(
+                "request %s: %s -> %s (rule %s) unavailable: %s; served by %s",
+                req.request_id, planned, cause, reason, cause, local.name,
+            )  # fmt: skip
+            self.events.fallback(planned, cause.split(":")[0])
+            target, reason = local, cause.split(":")[0]
+        return self._done(self._serve_local(target, req, emit, is_cancelled), target.name, reason)
+
+    def _done(self, reply: RoutedReply, target: str, reason: str) -> RoutedReply:
+        reply.target, reply.reason = target, reason
+        self.events.decision(target, reason)
+        log.info(
+            "request routed: target=%s reason=%s served_by=%s finish=%s",
+            target, reason, reply.served_by, reply.finish_reason,
+        )  # fmt: skip
+        return reply
+
+    @staticmethod
+    def _why_not_endpoints(req: RouteRequest) -> str | None:
+        if req.chat is None:
+            return "unsupported_request:" + ",".join(req.not_for_endpoints)
+        return None
+
+    def _try_endpoints(
+        self,
+        policy: Policy,
+        target: Target,
+        req: RouteRequest,
+        emit: Callable[[RoutedReply], None],
+        is_cancelled: Callable[[], bool],
+    ) -> tuple[RoutedReply | None, str]:
+        """The first endpoint that serves the request, else (None, why none did)."""
+        causes = []
+        est_tokens = req.features.prompt_tokens + req.features.max_tokens
+        for name in target.endpoints:
+            ep = self.endpoint(policy, name)
+            why = ep.unavailable_reason(req.features.model, est_tokens)
+            if why is not None:
+                causes.append(why)
+                continue
+            try:
+                return self._serve_endpoint(ep, req, emit, is_cancelled), ""
+            except EndpointError as e:
+                self.events.endpoint_error(name, e.kind)
+                log.warning("request %s: endpoint %s failed: %s", req.request_id, name, e)
+                causes.append(f"endpoint_failed:{e.kind}")
+        return None, causes[0] if len(set(causes)) == 1 else "endpoints_unavailable"
+
+    def _serve_endpoint(
+        self,
+        ep: OpenAIEndpoint,
+        req: RouteRequest,
+        emit: Callable[[RoutedReply], None],
+        is_cancelled: Callable[[], bool],
+    ) -> RoutedReply:
+        """Raises EndpointError only while nothing has been sent to the client."""
+        assert req.chat is not None
+        out = RoutedReply("", req.features.prompt_tokens, served_by=ep.name)
+        text, sent, usage = "", False, {}
+        events = ep.stream_chat(req.features.model, req.chat)
+        try:
+            for ev in events:
+                if is_cancelled():
+                    out.finish_reason = "abort"
+                    break
+                if ev.text:
+                    text += ev.text
+                    out.num_output_tokens += 1  # chunks until usage says otherwise
+                    if req.stream:
+                        emit(RoutedReply(ev.text, out.num_input_tokens, out.num_output_tokens))
+                        sent = True
+                if ev.finish_reason is not None:
+                    out.finish_reason, usage = ev.finish_reason, ev.usage
+        except EndpointError as e:
+            if not sent:
+                raise
+            log.warning("request %s: %s failed mid-stream: %s", req.request_id, ep.name, e)
+            self.events.endpoint_error(ep.name, e.kind)
+            out.finish_reason, out.error = FINISH_ERROR, f"endpoint {ep.name} failed: {e}"
+        finally:
+            events.close()
+        out.num_input_tokens = int(usage.get("prompt_tokens", out.num_input_tokens))
+        out.num_output_tokens = int(usage.get("completion_tokens", 0)) or self.count_tokens(text)
+        if req.stream:
+            out.text = ""
+        else:
+            out.text = text if req.exclude_input_in_output else req.prompt_text + text
+        return out
+
+    def _serve_local(
+        self,
+        target: Target,
+        req: RouteRequest,
+        emit: Callable[[RoutedReply], None],
+        is_cancelled: Callable[[], bool],
+    ) -> RoutedReply:
+        final: RoutedReply | None = None
+        cancelled = False
+        for reply in self.local.generate(target.model, req.request_id, req.local_fields):
+            if reply.finish_reason is not None:
+                final = reply
+            elif not cancelled:
+                emit(reply)
+            if not cancelled and is_cancelled():
+                cancelled = True
+                self.local.cancel(req.request_id)
+        if final is None:
+            raise PoolError(f"{target.model} ended without a final response")
+        return final
