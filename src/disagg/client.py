@@ -139,6 +139,8 @@ class GrpcClient:
     """Bidirectional gRPC streaming with tritonclient (the decoupled `ensemble`)."""
 
     OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "finish_reason")
+    # what the router adds to its final response; kept in Result.extra when present
+    EXTRA_OUTPUTS = ("route_target", "route_reason", "served_by", "error")
 
     def __init__(self, url: str = "127.0.0.1:8001", timeout_s: float = 300.0) -> None:
         import tritonclient.grpc as grpcclient
@@ -170,6 +172,10 @@ class GrpcClient:
                     raise GenerateError(str(error))
                 out = {n: self._value(res, n) for n in self.OUTPUTS}
                 _absorb(result, {k: v for k, v in out.items() if v is not None}, start, on_delta)
+                for name in self.EXTRA_OUTPUTS:
+                    value = self._value(res, name)
+                    if value is not None:
+                        result.extra[name] = value
                 final = res.get_response().parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
                     break

@@ -61,6 +61,8 @@ def test_every_template_renders_to_a_valid_model_config(tmp_path):
         "decode",
         "orchestrator",
         "orchestrator_sync",
+        "router",
+        "router_sync",
         "ensemble",
         "ensemble_sync",
     }
@@ -68,6 +70,8 @@ def test_every_template_renders_to_a_valid_model_config(tmp_path):
     assert configs["decode"].instance_group[0].count == 3
     assert configs["decode"].model_transaction_policy.decoupled
     assert not configs["orchestrator_sync"].model_transaction_policy.decoupled
+    policy = configs["router"].parameters["policy"].string_value
+    assert Path(policy).is_absolute() and Path(policy).is_file()
     engine = configs["decode"].parameters["engine_dir"].string_value
     assert Path(engine).is_absolute() and engine.endswith("engines/smollm2-135m-instruct")
 
@@ -92,6 +96,25 @@ def test_ensemble_steps_name_tensors_that_exist():
             assert set(step.output_map) <= {o.name for o in model.output}, step.model_name
             available |= set(step.output_map.values())
         assert {o.name for o in ens.output} <= available
+
+
+def test_the_router_takes_and_returns_what_the_ensemble_does():
+    """So a client of the ensemble switches to the router by changing the model name."""
+    from disagg.serve.settings import ROOT
+
+    def parse(path):
+        text = render_config(path.read_text(), {k: "1" for k in _keys(path)}, str(path))
+        return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+    ens = parse(ROOT / "ensembles/ensemble/config.pbtxt")
+    for name in ("router", "router_sync"):
+        router = parse(ROOT / f"model_repository/{name}/config.pbtxt")
+        router_in = {i.name: (i.data_type, list(i.dims)) for i in router.input}
+        for i in ens.input:
+            assert router_in[i.name] == (i.data_type, list(i.dims)), (name, i.name)
+        router_out = {o.name: o.data_type for o in router.output}
+        assert all(router_out[o.name] == o.data_type for o in ens.output), name
+        assert all(i.optional for i in router.input), name
 
 
 def _keys(path):

@@ -7,8 +7,6 @@ generate_stream) and `orchestrator_sync` (one response per request, for KServe v
 which Triton's HTTP endpoint refuses for decoupled models)."""
 
 import dataclasses
-import logging
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from disagg.cancel import CancelRegistry
@@ -36,11 +34,11 @@ INPUTS = {
     P.RETURN_NUM_OUTPUT_TOKENS: "bool",
 }
 BATCHED = True  # max_batch_size > 0: tensors carry a batch dimension (of 1)
-log = logging.getLogger("disagg.orchestrator")
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        pb.configure_logging()
         p = pb.model_parameters(args)
         self.decoupled = pb.is_decoupled(args)
         self.tokenizer = Tokenizer(p["engine_dir"])
@@ -55,49 +53,26 @@ class TritonPythonModel:
             decode_pool=pb.BlsDecodePool(p["decode_model"], cancels),
             mode=p["mode"],
         )
-        self.workers = ThreadPoolExecutor(int(p["max_concurrency"]), "orchestrator")
+        self.runner = pb.RequestRunner(
+            self.decoupled,
+            int(p["max_concurrency"]),
+            parse=self._parse,
+            run=self.orchestrator.run,
+            respond=lambda reply: pb.reply_response(reply, BATCHED),
+        )
 
     def _parse(self, request):
         req = build_request(
-            pb.read_fields(request, INPUTS, BATCHED), self.tokenizer, self.max_tokens_default
+            pb.read_fields(request, INPUTS, BATCHED),
+            self.tokenizer,
+            self.max_tokens_default,
+            caller_id=request.request_id(),
         )
         self.orchestrator.check_request(req)
         return req if self.decoupled else dataclasses.replace(req, stream=False)
 
     def execute(self, requests):
-        if not self.decoupled:
-            return list(self.workers.map(self._run_sync, requests))
-        for request in requests:
-            sender = request.get_response_sender()
-            try:
-                req = self._parse(request)
-            except Exception as e:
-                sender.send(pb.error_response(e), flags=pb.FINAL)
-                continue
-            self.workers.submit(self._run_streaming, req, sender)
-        return None
-
-    def _run_sync(self, request):
-        try:
-            final = self.orchestrator.run(self._parse(request), emit=lambda reply: None)
-            return pb.reply_response(final, BATCHED)
-        except Exception as e:
-            return pb.error_response(e)
-
-    def _run_streaming(self, req, sender):
-        try:
-            final = self.orchestrator.run(
-                req,
-                emit=lambda reply: sender.send(pb.reply_response(reply, BATCHED)),
-                is_cancelled=sender.is_cancelled,
-            )
-            sender.send(pb.reply_response(final, BATCHED), flags=pb.FINAL)
-        except Exception as e:
-            log.warning("request %s failed: %s", req.request_id, e)
-            try:
-                sender.send(pb.error_response(e), flags=pb.FINAL)
-            except Exception:
-                log.exception("request %s: could not report the failure", req.request_id)
+        return self.runner.execute(requests)
 
     def finalize(self):
-        self.workers.shutdown(wait=False, cancel_futures=True)
+        self.runner.shutdown()

@@ -41,6 +41,8 @@ class ServeSettings:
     decode_torch_threads: int = 0
     prefill_timeout_s: float = 60.0  # then the request falls back to decode's own prefill
     orchestrator_max_concurrency: int = 64  # requests the orchestrator serves at once
+    router_policy: str = "model_repository/router/policy.toml"  # reloaded when it changes
+    served_model_name: str = "smollm2-135m-instruct"  # the public name routing rules match
     build_dir: str = ".triton"  # rendered repositories, backend links, run files, logs
     log_verbose: int = 0
 
@@ -77,7 +79,7 @@ class ServeSettings:
         return ipaddress.ip_address(self.host).is_loopback
 
     def path(self, name: str) -> Path:
-        """engine_dir / build_dir as absolute paths (model processes run elsewhere)."""
+        """A path setting as an absolute path (model processes run elsewhere)."""
         p = Path(getattr(self, name))
         return p if p.is_absolute() else (ROOT / p)
 
@@ -120,5 +122,6 @@ def template_values(s: ServeSettings, run_dir: Path) -> dict[str, str]:
     """What the ${...} keys of the config.pbtxt templates are filled with."""
     values = {f.name: str(getattr(s, f.name)) for f in fields(s)}
     values["engine_dir"] = str(s.path("engine_dir"))
+    values["router_policy"] = str(s.path("router_policy"))
     values["run_dir"] = str(run_dir)
     return values

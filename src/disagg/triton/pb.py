@@ -8,21 +8,30 @@ Imported only inside a Triton Python backend stub (where the module exists).
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg.cancel import CancelRegistry
 from disagg.config import EngineConfig
-from disagg.errors import CapacityError, EngineDeadError, KVPayloadError, RequestError
+from disagg.errors import (
+    CapacityError,
+    EngineDeadError,
+    KVPayloadError,
+    PoolError,
+    RequestError,
+)
 from disagg.sequence import SamplingParams
 from disagg.triton import protocol as P
-from disagg.triton.orchestrator import DecodeStep, Handoff, PoolError, Reply
+from disagg.triton.orchestrator import DecodeStep, Handoff, Reply
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_log = logging.getLogger("disagg.triton")
 
 
 def model_parameters(args: dict) -> dict[str, str]:
@@ -117,13 +126,18 @@ def tensor(name: str, value, dtype, batched: bool = False) -> pb_utils.Tensor:
     return pb_utils.Tensor(name, arr[None, :] if batched else arr)
 
 
-def reply_response(reply: Reply, batched: bool) -> pb_utils.InferenceResponse:
-    outputs = [
+def _client_outputs(reply, batched: bool) -> list[pb_utils.Tensor]:
+    """The ensemble's four outputs, from a Reply or a RoutedReply."""
+    return [
         tensor(P.TEXT_OUTPUT, [reply.text.encode("utf-8")], np.object_, batched),
         tensor(P.NUM_INPUT_TOKENS, [reply.num_input_tokens], np.int32, batched),
         tensor(P.NUM_OUTPUT_TOKENS, [reply.num_output_tokens], np.int32, batched),
         tensor(P.FINISH_REASON, [(reply.finish_reason or "").encode()], np.object_, batched),
     ]
+
+
+def reply_response(reply: Reply, batched: bool) -> pb_utils.InferenceResponse:
+    outputs = _client_outputs(reply, batched)
     if reply.finish_reason is not None:
         outputs += [
             tensor(P.SERVED_BY, [reply.served_by.encode()], np.object_, batched),
@@ -339,3 +353,214 @@ def read_kv_handoff(request, request_id: str):
     return PrefillResult(
         request_id, int(first.reshape(-1)[0]), kv, int(seed.reshape(-1)[0]), 0.0
     ), None
+
+
+# ------------------------------------------------------------------ router
+
+
+# The orchestrator's client-facing inputs, as the router forwards them (batched: [1, n]).
+_ORCHESTRATOR_DTYPES = {
+    P.INPUT_IDS: np.int32,
+    P.TEXT_INPUT: np.object_,
+    P.MAX_TOKENS: np.int32,
+    P.STREAM: np.bool_,
+    P.TEMPERATURE: np.float32,
+    P.TOP_K: np.int32,
+    P.TOP_P: np.float32,
+    P.SEED: np.uint64,
+    P.STOP_WORDS: np.object_,
+    P.BAD_WORDS: np.object_,
+    P.END_ID: np.int32,
+    P.PAD_ID: np.int32,
+    P.EXCLUDE_INPUT_IN_OUTPUT: np.bool_,
+    P.RETURN_NUM_INPUT_TOKENS: np.bool_,
+    P.RETURN_NUM_OUTPUT_TOKENS: np.bool_,
+}
+_ORCHESTRATOR_OUTPUTS = [
+    P.TEXT_OUTPUT,
+    P.NUM_INPUT_TOKENS,
+    P.NUM_OUTPUT_TOKENS,
+    P.FINISH_REASON,
+    P.SERVED_BY,
+]
+
+
+def _encode(value, dtype):
+    values = value if isinstance(value, list) else [value]
+    if dtype is np.object_:
+        return [v.encode("utf-8") for v in values]
+    return values
+
+
+class BlsLocalPipeline:
+    """The router's local target: an orchestrator model of this server, streamed over BLS.
+    Cancellation marks the router's request id, which the orchestrator's id extends (see
+    CancelRegistry), so decode stops that request at its next step."""
+
+    def __init__(self, cancels: CancelRegistry) -> None:
+        self.cancels = cancels
+
+    def generate(self, model: str, request_id: str, fields: dict):
+        dtypes = _ORCHESTRATOR_DTYPES
+        inputs = [
+            tensor(name, _encode(value, dtypes[name]), dtypes[name], batched=True)
+            for name, value in fields.items()
+        ]
+        req = pb_utils.InferenceRequest(
+            model_name=model,
+            request_id=request_id,
+            inputs=inputs,
+            requested_output_names=_ORCHESTRATOR_OUTPUTS,
+        )
+        try:
+            responses = req.exec(decoupled=True)
+        except pb_utils.TritonModelException as e:
+            raise PoolError(f"{model}: {e}") from e
+        try:
+            yield from self._replies(model, responses)
+        finally:
+            self.cancels.clear(request_id)  # a mark, if any, has done its work
+
+    @staticmethod
+    def _replies(model: str, responses):
+        from disagg.routing.router import RoutedReply
+
+        for response in responses:
+            _raise_for(response, model)
+            if not response.output_tensors():
+                continue
+            reason = _output(response, P.FINISH_REASON).reshape(-1)[0].decode()
+            served = pb_utils.get_output_tensor_by_name(response, P.SERVED_BY)
+            yield RoutedReply(
+                text=_output(response, P.TEXT_OUTPUT).reshape(-1)[0].decode("utf-8"),
+                num_input_tokens=int(_output(response, P.NUM_INPUT_TOKENS).reshape(-1)[0]),
+                num_output_tokens=int(_output(response, P.NUM_OUTPUT_TOKENS).reshape(-1)[0]),
+                finish_reason=reason or None,
+                served_by="" if served is None else served.as_numpy().reshape(-1)[0].decode(),
+            )
+
+    def cancel(self, request_id: str) -> None:
+        self.cancels.mark(request_id)
+
+
+def routed_response(reply, batched: bool) -> pb_utils.InferenceResponse:
+    """A router response: the ensemble's outputs, and on the final one where it was routed."""
+    outputs = _client_outputs(reply, batched)
+    if reply.finish_reason is not None:
+        for name, value in (
+            (P.ROUTE_TARGET, reply.target),
+            (P.ROUTE_REASON, reply.reason),
+            (P.SERVED_BY, reply.served_by),
+            (P.ERROR, reply.error),
+        ):
+            outputs.append(tensor(name, [value.encode("utf-8")], np.object_, batched))
+    return pb_utils.InferenceResponse(output_tensors=outputs)
+
+
+class _Counter:
+    """A counter family whose label sets are created on first use (label values come from a
+    small closed set: policy targets and rule names, endpoint names, error kinds)."""
+
+    def __init__(self, name: str, description: str) -> None:
+        self.family = pb_utils.MetricFamily(name, description, pb_utils.MetricFamily.COUNTER)
+        self.metrics: dict[tuple, object] = {}
+        self.lock = threading.Lock()
+
+    def inc(self, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        with self.lock:
+            metric = self.metrics.get(key)
+            if metric is None:
+                metric = self.metrics[key] = self.family.Metric(labels=labels)
+        metric.increment(1)
+
+
+class RouterMetrics:
+    """The router's counters, on Triton's metrics port (implements RouterEvents)."""
+
+    def __init__(self) -> None:
+        self.requests = _Counter(
+            "disagg_router_requests_total", "Requests served, by policy target and reason"
+        )
+        self.fallbacks = _Counter(
+            "disagg_router_fallbacks_total",
+            "Requests whose planned external target could not serve them, by cause",
+        )
+        self.endpoint_errors = _Counter(
+            "disagg_router_endpoint_errors_total", "Failed calls to external endpoints, by kind"
+        )
+
+    def decision(self, target: str, reason: str) -> None:
+        self.requests.inc(target=target, reason=reason)
+
+    def fallback(self, planned: str, cause: str) -> None:
+        self.fallbacks.inc(target=planned, cause=cause)
+
+    def endpoint_error(self, endpoint: str, kind: str) -> None:
+        self.endpoint_errors.inc(endpoint=endpoint, kind=kind)
+
+
+def configure_logging() -> None:
+    """disagg's own log lines (routing decisions, fallbacks) in the tritonserver log: the stub
+    inherits the server's stderr. Level from DISAGG_LOG_LEVEL (default INFO)."""
+    import logging
+    import os
+
+    logger = logging.getLogger("disagg")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(os.environ.get("DISAGG_LOG_LEVEL", "INFO").upper())
+    logger.propagate = False
+
+
+class RequestRunner:
+    """How a BLS entry model (orchestrator, router) serves its requests on a thread pool.
+
+    Decoupled: each request is parsed at once (a bad one is answered with its error) and
+    then run in the pool, streaming through its response sender. Not decoupled: the batch
+    Triton hands over is run in parallel and answered with one response per request.
+    `run(req, emit, is_cancelled)` returns the final reply; `respond(reply)` makes a
+    response of a reply."""
+
+    def __init__(self, decoupled: bool, max_concurrency: int, parse, run, respond) -> None:
+        self.decoupled = decoupled
+        self.parse, self.run, self.respond = parse, run, respond
+        self.workers = ThreadPoolExecutor(max_concurrency, "requests")
+
+    def execute(self, requests):
+        if not self.decoupled:
+            return list(self.workers.map(self._run_sync, requests))
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                req = self.parse(request)
+            except Exception as e:
+                sender.send(error_response(e), flags=FINAL)
+                continue
+            self.workers.submit(self._run_streaming, req, sender)
+        return None
+
+    def _run_sync(self, request):
+        try:
+            return self.respond(self.run(self.parse(request), lambda reply: None, lambda: False))
+        except Exception as e:
+            return error_response(e)
+
+    def _run_streaming(self, req, sender) -> None:
+        try:
+            final = self.run(
+                req, lambda reply: sender.send(self.respond(reply)), sender.is_cancelled
+            )
+            sender.send(self.respond(final), flags=FINAL)
+        except Exception as e:
+            _log.warning("request %s failed: %s", req.request_id, e)
+            try:
+                sender.send(error_response(e), flags=FINAL)
+            except Exception:
+                _log.exception("request %s: could not report the failure", req.request_id)
+
+    def shutdown(self) -> None:
+        self.workers.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,82 @@
+"""router (BLS): the single entry point for generation. Same inputs and outputs as `ensemble`
+plus routing hints; the policy (policy.toml next to this model, reloaded when it changes)
+and the endpoints' live state choose the local pipeline or an external OpenAI-compatible
+endpoint (the LPU pool), with fallback to the local pipeline.
+
+The same code serves `router` (decoupled: streaming) and `router_sync` (one response per
+request, for KServe v2 /infer)."""
+
+from pathlib import Path
+
+from disagg.cancel import CancelRegistry
+from disagg.routing.policy import PolicySource
+from disagg.routing.request import build_route_request
+from disagg.routing.router import Router
+from disagg.tokenizer import Tokenizer
+from disagg.triton import pb
+from disagg.triton import protocol as P
+
+INPUTS = {
+    P.TEXT_INPUT: "str",
+    P.MESSAGES: "str",
+    P.APPLY_CHAT_TEMPLATE: "bool",
+    P.MAX_TOKENS: "int",
+    P.STREAM: "bool",
+    P.TEMPERATURE: "float",
+    P.TOP_K: "int",
+    P.TOP_P: "float",
+    P.SEED: "int",
+    P.STOP_WORDS: "strs",
+    P.BAD_WORDS: "strs",
+    P.END_ID: "int",
+    P.PAD_ID: "int",
+    P.EXCLUDE_INPUT_IN_OUTPUT: "bool",
+    P.RETURN_NUM_INPUT_TOKENS: "bool",
+    P.RETURN_NUM_OUTPUT_TOKENS: "bool",
+    P.MODEL: "str",
+    P.LATENCY_SLA_MS: "float",
+    P.TASK_TYPE: "str",
+    P.PRIORITY: "int",
+}
+BATCHED = True
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        pb.configure_logging()
+        p = pb.model_parameters(args)
+        self.decoupled = pb.is_decoupled(args)
+        self.tokenizer = Tokenizer(p["engine_dir"])
+        self.default_model = p["served_model_name"]
+        self.max_tokens_default = int(p["max_tokens_default"])
+        self.router = Router(
+            PolicySource(p["policy"]),  # an invalid policy fails the model load, loudly
+            pb.BlsLocalPipeline(CancelRegistry(Path(p["run_dir"]) / "cancel")),
+            count_tokens=lambda text: len(self.tokenizer.encode(text)),
+            events=pb.RouterMetrics(),
+        )
+        self.runner = pb.RequestRunner(
+            self.decoupled,
+            int(p["max_concurrency"]),
+            parse=self._parse,
+            run=self.router.run,
+            respond=lambda reply: pb.routed_response(reply, BATCHED),
+        )
+
+    def _parse(self, request):
+        fields = pb.read_fields(request, INPUTS, BATCHED)
+        if not self.decoupled:
+            fields[P.STREAM] = False
+        return build_route_request(
+            fields,
+            self.tokenizer,
+            self.default_model,
+            self.max_tokens_default,
+            client_request_id=request.request_id(),
+        )
+
+    def execute(self, requests):
+        return self.runner.execute(requests)
+
+    def finalize(self):
+        self.runner.shutdown()

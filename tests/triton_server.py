@@ -1,0 +1,30 @@
+"""Start a real tritonserver on loopback for a test module (tests/ is on sys.path)."""
+
+from __future__ import annotations
+
+from disagg.serve.server import free_ports
+
+
+def start_server(engine_dir, build_dir, **overrides):
+    from disagg.serve.server import TritonServer
+    from disagg.serve.settings import ServeSettings
+
+    http, grpc, metrics = free_ports(3)
+    settings = ServeSettings(
+        engine_dir=str(engine_dir),
+        build_dir=str(build_dir),
+        http_port=http,
+        grpc_port=grpc,
+        metrics_port=metrics,
+        decode_max_num_seqs=8,
+        max_tokens_limit=512,
+        **overrides,
+    )
+    server = TritonServer(settings, admin_key="test-admin-key")
+    server.start()
+    try:
+        server.wait_ready(timeout_s=240)
+    except BaseException:
+        server.stop()
+        raise
+    return server
