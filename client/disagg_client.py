@@ -4,6 +4,7 @@ reply as it arrives, then its TTFT and decode speed.
 
     python client/disagg_client.py --chat "Tell me a joke."
     python client/disagg_client.py --protocol grpc --max-tokens 64 "Once upon a time"
+    python client/disagg_client.py --model router --latency-sla-ms 150 --chat "Quick: 2+2?"
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--no-stream", action="store_true")
+    p.add_argument("--latency-sla-ms", type=float, help="routing hint (model router)")
+    p.add_argument("--task-type", help="routing hint (model router), e.g. batch_offline")
     a = p.parse_args(argv)
     inputs = {
         "text_input": a.prompt,
@@ -37,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if a.seed is not None:
         inputs["seed"] = a.seed
+    if a.latency_sla_ms is not None:
+        inputs["latency_sla_ms"] = a.latency_sla_ms
+    if a.task_type:
+        inputs["task_type"] = a.task_type
     stream = not a.no_stream
     show = (lambda d: print(d, end="", flush=True)) if stream else None
     try:
@@ -59,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{result.tokens_per_s:.1f} tok/s]",
         file=sys.stderr,
     )
+    if result.extra.get("route_target"):
+        print(
+            f"[routed to {result.extra['route_target']} ({result.extra.get('route_reason')}), "
+            f"served by {result.extra.get('served_by')}]",
+            file=sys.stderr,
+        )
+    if result.extra.get("error"):
+        print(f"[error: {result.extra['error']}]", file=sys.stderr)
     return 0
 
 
