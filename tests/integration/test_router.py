@@ -335,8 +335,10 @@ def test_the_policy_reloads_and_a_broken_file_is_refused(grpc, setup, server):
         policy.write_text(original + '\n[[rules]]\nname = "broken"\ntarget = "nowhere"\n')
         # the file is checked when requests arrive (at most once a second)
         _wait_for(
-            lambda: grpc.generate("router", chat(max_tokens=1))
-            and "rule 5 ('broken')" in Path(server.log_path).read_text()
+            lambda: (
+                grpc.generate("router", chat(max_tokens=1))
+                and "rule 5 ('broken')" in Path(server.log_path).read_text()
+            )
         )
         assert route(grpc.generate("router", chat(max_tokens=3)))[0] == "lpu"  # kept
     finally:
