@@ -117,7 +117,7 @@ class Router:
             if cause is None:
                 reply, cause = self._try_endpoints(policy, target, req, emit, is_cancelled)
                 if reply is not None:
-                    return self._done(reply, planned, reason)
+                    return self._done(req, reply, planned, reason)
             local = policy.fallback_for(planned)
             log.info(
                 "request %s: %s -> %s (rule %s) unavailable: %s; served by %s",
@@ -125,14 +125,15 @@ class Router:
             )  # fmt: skip
             self.events.fallback(planned, cause.split(":")[0])
             target, reason = local, cause.split(":")[0]
-        return self._done(self._serve_local(target, req, emit, is_cancelled), target.name, reason)
+        reply = self._serve_local(target, req, emit, is_cancelled)
+        return self._done(req, reply, target.name, reason)
 
-    def _done(self, reply: RoutedReply, target: str, reason: str) -> RoutedReply:
+    def _done(self, req: RouteRequest, reply: RoutedReply, target: str, reason: str) -> RoutedReply:
         reply.target, reply.reason = target, reason
         self.events.decision(target, reason)
         log.info(
-            "request routed: target=%s reason=%s served_by=%s finish=%s",
-            target, reason, reply.served_by, reply.finish_reason,
+            "request %s routed: target=%s reason=%s served_by=%s finish=%s",
+            req.request_id, target, reason, reply.served_by, reply.finish_reason,
         )  # fmt: skip
         return reply
 

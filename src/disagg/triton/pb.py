@@ -157,8 +157,20 @@ def error_code(exc: Exception):
     return pb_utils.TritonError.INTERNAL
 
 
+# Message prefixes by error kind: a gRPC stream carries an error's message but not its code,
+# so clients such as the gateway read the kind from here.
+_PREFIXES = ("invalid request: ", "unavailable: ")
+
+
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), error_code(exc)))
+    code = error_code(exc)
+    message = str(exc)
+    if not message.startswith(_PREFIXES):  # not already prefixed by a model behind us
+        if code == pb_utils.TritonError.INVALID_ARG:
+            message = _PREFIXES[0] + message
+        elif code == pb_utils.TritonError.UNAVAILABLE:
+            message = _PREFIXES[1] + message
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
 def _raise_for(response, what: str) -> None:
