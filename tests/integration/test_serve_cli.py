@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path):
-    http, grpc, metrics = free_ports(3)
+    http, grpc, metrics, gateway = free_ports(4)
     env = {
         **os.environ,
         "DISAGG_ENGINE_DIR": str(engine_dir),
@@ -26,9 +27,11 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         "DISAGG_HTTP_PORT": str(http),
         "DISAGG_GRPC_PORT": str(grpc),
         "DISAGG_METRICS_PORT": str(metrics),
+        "DISAGG_GATEWAY_PORT": str(gateway),
         "DISAGG_DECODE_MAX_NUM_SEQS": "2",
     }
     env.pop("DISAGG_ADMIN_KEY", None)
+    env.pop("DISAGG_API_KEYS", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "disagg.serve"],
         env=env,
@@ -51,10 +54,25 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         )
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["num_output_tokens"] > 0
+        # the OpenAI API, with the one key serve made and showed once
+        key = re.search(r"export DISAGG_API_KEY=(\S+)", banner).group(1)
+        assert f"http://127.0.0.1:{gateway}/v1" in banner
+        kept = (tmp_path / "gateway_keys").read_text()
+        assert key not in kept and kept.startswith("sha256:")
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key=key)
+        reply = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+        )
+        assert reply.usage.completion_tokens > 0
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     assert "stopping" in out
-    with pytest.raises(OSError):  # nothing listens any more
-        urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/live", timeout=2)
+    for url in (f"http://127.0.0.1:{http}/v2/health/live", f"http://127.0.0.1:{gateway}/health"):
+        with pytest.raises(OSError):  # nothing listens any more
+            urllib.request.urlopen(url, timeout=2)

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
 
 from disagg.errors import ConfigError
+from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
+from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
 from disagg.serve.settings import ServeSettings
+
+
+def first_api_key(settings: ServeSettings) -> str | None:
+    """With auth on and no keys anywhere, make one: keep its hash, show it once."""
+    if not settings.gateway_auth or os.environ.get(KEYS_ENV) or settings.keys_file.is_file():
+        return None
+    key = new_key()
+    write_keys_file(settings.keys_file, [key_hash(key)])
+    return key
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,21 +39,31 @@ def main(argv: list[str] | None = None) -> int:
                 "authentication; put the gateway in front of it",
                 file=sys.stderr,
             )
+        api_key = first_api_key(settings)
         print(f"starting tritonserver (log: {server.log_path}) ...", flush=True)
         server.start()
         server.wait_ready()
+        # the gateway's admin API shares Triton's admin key
+        gateway = GatewayProcess(settings, env={ADMIN_KEY_ENV: server.admin_key}).start()
+        gateway.wait_ready()
     except (ConfigError, RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if "server" in locals():
+            server.stop()
         return 2
     e = server.endpoints
     print(f"""
 disagg is serving {settings.engine_dir} ({settings.mode}: {settings.prefill_instances} prefill,
 {settings.decode_instances} decode instance(s))
+  OpenAI   {gateway.url}/v1   (chat/completions, completions, models)
   HTTP     {e.http}   (KServe v2, /v2/models/ensemble/generate, generate_stream)
   gRPC     {e.grpc}
   metrics  {e.metrics}
 
 Try:
+  curl -s {gateway.url}/v1/chat/completions -H "Authorization: Bearer $DISAGG_API_KEY" \\
+    -H 'Content-Type: application/json' -d '{{"model": "{settings.served_model_name}",
+    "messages": [{{"role": "user", "content": "Tell me a joke."}}], "max_tokens": 64}}'
   curl -s -X POST {e.http}/v2/models/ensemble/generate -d '{{"text_input":
     "What is the capital of France?", "apply_chat_template": true, "max_tokens": 32,
     "exclude_input_in_output": true}}'
@@ -49,6 +71,11 @@ Try:
     "Tell me a joke.", "apply_chat_template": true, "max_tokens": 64, "stream": true}}'
   .venv/bin/python client/disagg_client.py --chat "Tell me a joke."
 """)
+    if api_key:
+        print(
+            f"API key for the gateway (shown once; only its hash is kept, in "
+            f"{settings.keys_file}):\n  export DISAGG_API_KEY={api_key}\n"
+        )
     if server.admin_key_generated:
         print(
             f"Admin APIs (model repository, shared memory, logging, trace) need header "
@@ -65,11 +92,16 @@ Try:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     while not stopping and server.proc.poll() is None:
+        if gateway.proc.poll() is not None:  # the gateway is stateless: restart it
+            print(f"gateway exited; restarting. Log:\n{gateway.log_tail()}", file=sys.stderr)
+            gateway.stop()
+            gateway.start()
         time.sleep(0.5)
     if server.proc.poll() is not None and not stopping:
         print(f"tritonserver exited unexpectedly; log:\n{server.log_tail()}", file=sys.stderr)
         return 1
     print("\nstopping ...", flush=True)
+    gateway.stop()
     server.stop()
     return 0
 

@@ -43,6 +43,14 @@ class ServeSettings:
     orchestrator_max_concurrency: int = 64  # requests the orchestrator serves at once
     router_policy: str = "model_repository/router/policy.toml"  # reloaded when it changes
     served_model_name: str = "smollm2-135m-instruct"  # the public name routing rules match
+    gateway_port: int = 9000  # the OpenAI-compatible API (binds `host` too)
+    gateway_auth: bool = True  # API keys required; off is refused on a non-loopback host
+    gateway_keys_file: str = ""  # sha256:<hex> lines; "" = <build_dir>/gateway_keys
+    gateway_models: str = "configs/models.toml"  # public names -> versions -> Triton models
+    gateway_rpm: int = 600  # requests per minute per key (0: no limit)
+    gateway_tpm: int = 1_000_000  # prompt + completion tokens per minute per key (0: no limit)
+    gateway_max_body_bytes: int = 1 << 20
+    gateway_timeout_s: float = 600.0  # one request, end to end
     build_dir: str = ".triton"  # rendered repositories, backend links, run files, logs
     log_verbose: int = 0
 
@@ -73,10 +81,21 @@ class ServeSettings:
             ipaddress.ip_address(self.host)
         except ValueError as e:
             raise ConfigError(f"setting host must be an IP address, got {self.host!r}") from e
+        if not self.gateway_auth and not self.is_loopback:
+            raise ConfigError(
+                f"refusing to serve the gateway on {self.host} with gateway_auth off: "
+                "anyone who can reach it could use it"
+            )
 
     @property
     def is_loopback(self) -> bool:
         return ipaddress.ip_address(self.host).is_loopback
+
+    @property
+    def keys_file(self) -> Path:
+        return self.path("gateway_keys_file") if self.gateway_keys_file else (
+            self.path("build_dir") / "gateway_keys"
+        )
 
     def path(self, name: str) -> Path:
         """A path setting as an absolute path (model processes run elsewhere)."""
@@ -106,6 +125,15 @@ class ServeSettings:
 
 
 def _coerce(name: str, type_name: str, value):
+    if type_name == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"setting {name}: expected true or false, got {value!r}")
     try:
         if type_name == "int":
             if isinstance(value, bool):

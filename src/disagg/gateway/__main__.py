@@ -1,0 +1,66 @@
+"""`python -m disagg.gateway`: the OpenAI-compatible gateway in front of a running Triton.
+
+Settings come from the same place as `disagg serve` (defaults, --config TOML, DISAGG_*
+variables): Triton's gRPC port, the gateway's port, keys, limits and model registry. API keys
+come from DISAGG_API_KEYS and/or the keys file; the admin API needs DISAGG_ADMIN_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import uvicorn
+
+from disagg.errors import ConfigError
+from disagg.gateway.app import GatewayConfig, create_app
+from disagg.gateway.auth import KEYS_ENV, KeyStore, RateLimiter
+from disagg.gateway.backend import TritonBackend
+from disagg.gateway.registry import Registry
+from disagg.serve.settings import ServeSettings
+
+
+def build_config(settings: ServeSettings, env=os.environ) -> GatewayConfig:
+    keys = None
+    if settings.gateway_auth:
+        keys = KeyStore.load(env.get(KEYS_ENV), settings.keys_file)
+        if not keys.hashes:
+            raise ConfigError(
+                f"no API keys: set {KEYS_ENV}, or put sha256:<hex> lines in {settings.keys_file} "
+                "(make serve creates one key when there are none)"
+            )
+    return GatewayConfig(
+        keys=keys,
+        limiter=RateLimiter(settings.gateway_rpm, settings.gateway_tpm),
+        registry=Registry(settings.path("gateway_models")),
+        backend=TritonBackend(f"{settings.host}:{settings.grpc_port}", settings.gateway_timeout_s),
+        admin_key=env.get("DISAGG_ADMIN_KEY") or None,
+        max_body_bytes=settings.gateway_max_body_bytes,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m disagg.gateway", description=__doc__)
+    p.add_argument("--config", help="TOML settings file (env DISAGG_<SETTING> overrides it)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        settings = ServeSettings.load(a.config)
+        cfg = build_config(settings)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(
+        create_app(cfg),
+        host=settings.host,
+        port=settings.gateway_port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

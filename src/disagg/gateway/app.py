@@ -1,0 +1,300 @@
+"""The gateway's HTTP app (Starlette): OpenAI routes, auth, limits, admin, request ids."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import re
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from disagg.gateway import openai_api as oa
+from disagg.gateway.auth import KeyStore, RateLimiter
+from disagg.gateway.backend import Piece, TritonBackend
+from disagg.gateway.errors import APIError, bad_request
+from disagg.gateway.registry import Registry
+
+log = logging.getLogger("disagg.gateway")
+REQUEST_ID_HEADER = "x-request-id"
+VERSION_HEADER = "x-disagg-model-version"
+ADMIN_HEADER = "admin-key"
+_SAFE_ID = re.compile(r"[^A-Za-z0-9_-]")
+
+
+@dataclass
+class GatewayConfig:
+    keys: KeyStore | None  # None: authentication disabled (loopback only)
+    limiter: RateLimiter
+    registry: Registry
+    backend: TritonBackend
+    admin_key: str | None
+    max_body_bytes: int = 1 << 20
+
+
+def request_id(request: Request) -> str:
+    given = _SAFE_ID.sub("", request.headers.get(REQUEST_ID_HEADER, ""))[:64]
+    return given or uuid.uuid4().hex
+
+
+async def read_json(request: Request, limit: int) -> object:
+    size = int(request.headers.get("content-length") or 0)
+    if size > limit:
+        raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not valid UTF-8") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+
+    # -------------------------------------------------------------- auth
+
+    def authenticate(self, request: Request) -> str:
+        if self.cfg.keys is None:
+            return "anonymous"
+        key = self.cfg.keys.key_id(request.headers.get("authorization"))
+        if key is None:
+            raise APIError(
+                401,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+        return key
+
+    def admit(self, key: str) -> None:
+        wait = self.cfg.limiter.admit(key)
+        if wait is not None:
+            raise APIError(
+                429,
+                f"Rate limit reached for this key; retry in {math.ceil(wait)} s",
+                type_="requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
+
+    # -------------------------------------------------------------- routes
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        models = {v.triton_model for m in self.cfg.registry.listed() for v in m.versions}
+        states = {m: await self.cfg.backend.is_ready(m) for m in sorted(models)}
+        return JSONResponse(
+            {"ready": all(states.values()), "triton_models": states},
+            status_code=200 if all(states.values()) else 503,
+        )
+
+    async def models(self, request: Request) -> Response:
+        rid = request_id(request)
+        try:
+            self.authenticate(request)
+            return JSONResponse(
+                {"object": "list", "data": [self._model(m) for m in self.cfg.registry.listed()]}
+            )
+        except APIError as e:
+            return e.response({REQUEST_ID_HEADER: rid})
+
+    async def model(self, request: Request) -> Response:
+        rid = request_id(request)
+        try:
+            self.authenticate(request)
+            name = request.path_params["model"]
+            model, _ = self.cfg.registry.resolve(name)
+            return JSONResponse(self._model(model))
+        except APIError as e:
+            return e.response({REQUEST_ID_HEADER: rid})
+
+    @staticmethod
+    def _model(m) -> dict:
+        return {"id": m.name, "object": "model", "created": 0, "owned_by": "disagg"}
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        rid = request_id(request)
+        headers = {REQUEST_ID_HEADER: rid}
+        try:
+            key = self.authenticate(request)
+            self.admit(key)
+            req = oa.parse_request(await read_json(request, self.cfg.max_body_bytes), kind)
+            model, version = self.cfg.registry.resolve(req.model)
+            req.inputs["model"] = model.name  # routing rules may match on it
+            headers[VERSION_HEADER] = version.name
+            pieces = self.cfg.backend.generate(
+                version.triton_model, version.triton_version, rid, req.inputs
+            )
+            log.info(
+                "request %s key=%s model=%s version=%s stream=%s",
+                rid, key, model.name, version.name, req.stream,
+            )  # fmt: skip
+            fingerprint = f"disagg-{model.name}-{version.name}"
+            if req.stream:
+                first = await pieces.__anext__()  # errors before any output are HTTP errors
+                body = self._stream(req, rid, fingerprint, first, pieces, key)
+                return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+            return await self._complete(request, req, rid, fingerprint, pieces, key, headers)
+        except APIError as e:
+            log.info("request %s: %d %s", rid, e.status, e.message)
+            return e.response(headers)
+        except StopAsyncIteration:
+            return APIError(502, "the model ended without a response", "server_error").response(
+                headers
+            )
+
+    async def _complete(self, request, req, rid, fingerprint, pieces, key, headers) -> Response:
+        """Collect the whole reply, cancelling it if the client goes away meanwhile."""
+
+        async def collect() -> tuple[str, Piece]:
+            text, last = "", None
+            async for piece in pieces:
+                text += piece.text
+                last = piece
+            return text, last
+
+        task = asyncio.ensure_future(collect())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                await pieces.aclose()
+                log.info("request %s: client disconnected; cancelled", rid)
+                return Response(status_code=499)
+        text, last = task.result()
+        if last is None or last.finish_reason is None:
+            raise APIError(502, "the model ended without a finish reason", "server_error")
+        self.cfg.limiter.charge(key, last.num_input_tokens + last.num_output_tokens)
+        if last.finish_reason == "error":
+            raise APIError(502, last.extra.get("error") or "the model failed", "server_error")
+        headers = {**headers, "x-disagg-route-target": last.extra.get("route_target", "")}
+        body = oa.full_response(
+            req,
+            rid,
+            text,
+            last.finish_reason,
+            last.num_input_tokens,
+            last.num_output_tokens,
+            fingerprint,
+        )
+        return JSONResponse(body, headers=headers)
+
+    async def _stream(
+        self, req, rid, fingerprint, first: Piece, pieces, key
+    ) -> AsyncIterator[bytes]:
+        n_in = n_out = 0
+        try:
+            if req.kind == "chat":
+                yield oa.sse(oa.chunk(req, rid, fingerprint, role=True))
+            piece: Piece | None = first
+            while piece is not None:
+                n_in, n_out = piece.num_input_tokens, piece.num_output_tokens
+                if piece.finish_reason == "error":
+                    err = APIError(
+                        502, piece.extra.get("error") or "the model failed", "server_error"
+                    )
+                    yield oa.sse(err.body())
+                    break
+                if piece.text:
+                    yield oa.sse(oa.chunk(req, rid, fingerprint, text=piece.text))
+                if piece.finish_reason is not None:
+                    yield oa.sse(oa.chunk(req, rid, fingerprint, finish=piece.finish_reason))
+                    if req.include_usage:
+                        yield oa.sse(oa.usage_chunk(req, rid, fingerprint, n_in, n_out))
+                    break
+                piece = await anext(pieces, None)
+            yield oa.sse("[DONE]")
+        except APIError as e:
+            yield oa.sse(e.body())
+        finally:
+            await pieces.aclose()  # a client that went away cancels its request in Triton
+            self.cfg.limiter.charge(key, n_in + n_out)
+
+    # -------------------------------------------------------------- admin
+
+    def check_admin(self, request: Request) -> None:
+        if not self.cfg.admin_key:
+            raise APIError(403, "admin API disabled: start with DISAGG_ADMIN_KEY set")
+        given = request.headers.get(ADMIN_HEADER, "")
+        if not hmac.compare_digest(given.encode(), self.cfg.admin_key.encode()):
+            raise APIError(401, f"admin API: wrong or missing '{ADMIN_HEADER}' header")
+
+    async def admin_models(self, request: Request) -> Response:
+        try:
+            self.check_admin(request)
+            return JSONResponse(self.cfg.registry.state())
+        except APIError as e:
+            return e.response()
+
+    async def admin_version(self, request: Request) -> Response:
+        try:
+            self.check_admin(request)
+            body = await read_json(request, 4096)
+            if not isinstance(body, dict) or set(body) - {"state", "weight"}:
+                raise bad_request('body: {"state": ..., "weight": ...}')
+            p = request.path_params
+            v = self.cfg.registry.update(
+                p["model"], p["version"], body.get("state"), body.get("weight")
+            )
+            log.info("admin: %s version %s -> %s", p["model"], v.name, v)
+            return JSONResponse(v.__dict__)
+        except APIError as e:
+            return e.response()
+
+    async def admin_rollback(self, request: Request) -> Response:
+        try:
+            self.check_admin(request)
+            rolled = self.cfg.registry.rollback(request.path_params["model"])
+            log.info("admin: rolled back %s: %s", request.path_params["model"], rolled)
+            return JSONResponse({"rolled_back": rolled})
+        except APIError as e:
+            return e.response()
+
+
+def create_app(cfg: GatewayConfig) -> Starlette:
+    g = Gateway(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await cfg.backend.close()
+
+    return Starlette(
+        routes=[
+            Route("/health", g.health),
+            Route("/ready", g.ready),
+            Route("/v1/models", g.models),
+            Route("/v1/models/{model:path}", g.model),
+            Route("/v1/chat/completions", g.chat, methods=["POST"]),
+            Route("/v1/completions", g.completions, methods=["POST"]),
+            Route("/admin/models", g.admin_models),
+            Route("/admin/models/{model}/versions/{version}", g.admin_version, methods=["POST"]),
+            Route("/admin/models/{model}/rollback", g.admin_rollback, methods=["POST"]),
+        ],
+        lifespan=lifespan,
+    )

@@ -1,0 +1,112 @@
+"""The gateway's view of Triton: one streaming call of the `router` model over gRPC.
+
+Errors come back as messages only on a gRPC stream; disagg's models prefix them with their
+kind (`invalid request:`, `unavailable:`; see triton/pb.py), which maps them to HTTP codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc.aio as grpcaio
+
+from disagg.client import grpc_inputs
+from disagg.gateway.errors import APIError
+
+OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "finish_reason")
+EXTRAS = ("route_target", "route_reason", "served_by", "error")
+
+
+@dataclass
+class Piece:
+    """One response of the router: a text delta, and on the last one the finish reason."""
+
+    text: str
+    num_input_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+    extra: dict = field(default_factory=dict)
+
+
+def api_error(message: str) -> APIError:
+    if "invalid request:" in message:
+        return APIError(400, message.split("invalid request:", 1)[1].strip())
+    if "unavailable:" in message:
+        return APIError(503, message, type_="server_error", code="unavailable")
+    return APIError(500, message, type_="server_error")
+
+
+def _value(result, name: str):
+    arr = result.as_numpy(name)
+    if arr is None:
+        return None
+    flat = arr.reshape(-1)
+    if flat.dtype == np.object_:
+        return flat[0].decode("utf-8") if flat.size else ""
+    return int(flat[0])
+
+
+class TritonBackend:
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self._client: grpcaio.InferenceServerClient | None = None
+
+    @property
+    def client(self) -> grpcaio.InferenceServerClient:
+        if self._client is None:  # created inside the server's event loop
+            self._client = grpcaio.InferenceServerClient(self.url)
+        return self._client
+
+    async def is_ready(self, model: str) -> bool:
+        try:
+            return await self.client.is_model_ready(model)
+        except Exception:
+            return False
+
+    async def generate(
+        self, model: str, version: str, request_id: str, inputs: dict
+    ) -> AsyncIterator[Piece]:
+        """Stream the router's responses; closing this generator cancels the request in
+        Triton (and, through the router, frees its decode slot)."""
+
+        async def one_request():
+            yield {
+                "model_name": model,
+                "model_version": version,
+                "inputs": grpc_inputs({**inputs, "stream": True}),
+                "request_id": request_id,
+                "enable_empty_final_response": True,
+            }
+
+        call = self.client.stream_infer(one_request(), stream_timeout=self.timeout_s)
+        done = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    done = True
+                    raise api_error(str(error))
+                piece = Piece(
+                    text=_value(result, "text_output") or "",
+                    num_input_tokens=_value(result, "num_input_tokens") or 0,
+                    num_output_tokens=_value(result, "num_output_tokens") or 0,
+                    finish_reason=_value(result, "finish_reason") or None,
+                    extra={k: v for k in EXTRAS if (v := _value(result, k)) is not None},
+                )
+                params = result.get_response().parameters
+                final = params.get("triton_final_response")
+                if final is not None and final.bool_param:
+                    done = True
+                if piece.text or piece.finish_reason:
+                    yield piece
+                if done:
+                    return
+        finally:
+            if not done:
+                call.cancel()
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()

@@ -1,0 +1,242 @@
+"""OpenAI request bodies -> the router's inputs, and the router's outputs -> OpenAI responses.
+
+Fields disagg cannot honour are refused with a 400 naming them, never silently ignored:
+`n` > 1, `logprobs`, `top_logprobs`, `logit_bias`, tools / functions, non-zero presence or
+frequency penalties, `response_format` other than text, and for completions `echo`,
+`best_of` > 1, `suffix` and several prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from disagg.gateway.errors import bad_request, unsupported
+
+MAX_STOP = 4
+HINTS = {"latency_sla_ms": float, "task_type": str, "priority": int}  # disagg's extensions
+
+
+@dataclass
+class GenRequest:
+    """One validated request, in the router's terms."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    inputs: dict  # router inputs (tensor name -> value)
+    stream: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return None
+    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok_type:
+        kind = "an integer" if integer else "a number"
+        raise bad_request(f"'{name}' must be {kind}, got {value!r}", name)
+    if not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be between {lo:g} and {hi:g}, got {value}", name)
+    return value
+
+
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    if body.get("n", 1) != 1:
+        raise unsupported("n", "only n=1")
+    if body.get("logprobs") not in (None, False, 0):
+        raise unsupported("logprobs")
+    if body.get("top_logprobs"):
+        raise unsupported("top_logprobs")
+    if body.get("logit_bias"):
+        raise unsupported("logit_bias")
+    for name in ("tools", "tool_choice", "functions", "function_call"):
+        if body.get(name) not in (None, "none", []):
+            raise unsupported(name, "no tool calling")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise unsupported(name)
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise unsupported("response_format", "text only")
+    if kind == "completion":
+        if body.get("echo"):
+            raise unsupported("echo")
+        if body.get("best_of", 1) != 1:
+            raise unsupported("best_of")
+        if body.get("suffix"):
+            raise unsupported("suffix")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in (
+            "system",
+            "developer",
+            "user",
+            "assistant",
+        ):
+            raise bad_request(
+                f"messages[{i}].role must be system, developer, user or assistant", "messages"
+            )
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise unsupported(f"messages[{i}].content", "text parts only")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise unsupported("prompt", "one string prompt per request")
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise bad_request("'prompt' must be a non-empty string", "prompt")
+    return prompt
+
+
+def parse_request(body: object, kind: str) -> GenRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required", "model")
+    _refuse_unsupported(body, kind)
+    inputs: dict = {"exclude_input_in_output": True}
+    if kind == "chat":
+        inputs["messages"] = json.dumps(_messages(body))
+    else:
+        inputs["text_input"] = _prompt(body)
+    max_tokens = _number(body, "max_completion_tokens", 1, 1 << 20, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", 1, 1 << 20, integer=True)
+    if max_tokens is not None:
+        inputs["max_tokens"] = max_tokens
+    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
+        value = _number(body, name, lo, hi)
+        if value is not None:
+            inputs[name] = float(value)
+    seed = _number(body, "seed", 0, 2**63 - 1, integer=True)
+    if seed is not None:
+        inputs["seed"] = seed
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise bad_request("'stop' must be a string or an array of strings", "stop")
+        if len(stops) > MAX_STOP:
+            raise bad_request(f"'stop' takes at most {MAX_STOP} sequences", "stop")
+        if any(stops):
+            inputs["stop_words"] = [s for s in stops if s]
+    for name, kind_ in HINTS.items():
+        if body.get(name) is not None:
+            try:
+                inputs[name] = kind_(body[name])
+            except (TypeError, ValueError):
+                raise bad_request(f"'{name}' must be a {kind_.__name__}", name) from None
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    return GenRequest(
+        kind=kind,
+        model=model,
+        inputs=inputs,
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+    )
+
+
+# ------------------------------------------------------------------ responses
+
+FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+def usage(n_in: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+def full_response(
+    req: GenRequest, rid: str, text: str, finish: str, n_in: int, n_out: int, fingerprint: str
+) -> dict:
+    if req.kind == "chat":
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": FINISH.get(finish, finish),
+        }
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": FINISH.get(finish, finish),
+        }
+        obj, prefix = "text_completion", "cmpl-"
+    return {
+        "id": prefix + rid,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "system_fingerprint": fingerprint,
+        "choices": [choice],
+        "usage": usage(n_in, n_out),
+    }
+
+
+def chunk(
+    req: GenRequest,
+    rid: str,
+    fingerprint: str,
+    text: str | None = None,
+    finish: str | None = None,
+    role: bool = False,
+) -> dict:
+    if req.kind == "chat":
+        delta: dict = {"role": "assistant", "content": ""} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj, prefix = "chat.completion.chunk", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj, prefix = "text_completion", "cmpl-"
+    if finish is not None:
+        choice["finish_reason"] = FINISH.get(finish, finish)
+    return {
+        "id": prefix + rid,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "system_fingerprint": fingerprint,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(req: GenRequest, rid: str, fingerprint: str, n_in: int, n_out: int) -> dict:
+    c = chunk(req, rid, fingerprint)
+    c["choices"] = []
+    c["usage"] = usage(n_in, n_out)
+    return c
+
+
+def sse(obj) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,286 @@
+"""The OpenAI-compatible gateway in front of a real tritonserver, used through the official
+`openai` package (and raw HTTP where a well-behaved client cannot send what is tested)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from dataclasses import replace
+
+import openai
+import pytest
+from triton_server import start_server
+
+from disagg.serve.gateway_process import GatewayProcess
+from disagg.serve.server import free_ports
+
+pytestmark = pytest.mark.integration
+KEYS = "sk-test-alpha,sk-test-beta"
+ADMIN = "test-admin-key"
+MODEL = "smollm2-135m-instruct"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+REGISTRY = """
+[models."smollm2-135m-instruct"]
+versions = [
+  { name = "v1", triton_model = "router", state = "stable" },
+  { name = "v2", triton_model = "router", triton_version = "1", state = "canary", weight = 0.0 },
+  { name = "v0", triton_model = "router", state = "deprecated" },
+]
+
+[models."smollm2-old"]
+deprecated = "smollm2-135m-instruct"
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(engine_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gateway")
+    (tmp / "models.toml").write_text(REGISTRY)
+    server = start_server(engine_dir, tmp / "triton", gateway_models=str(tmp / "models.toml"))
+    (gw_port,) = free_ports(1)
+    settings = replace(server.settings, gateway_port=gw_port)
+    env = {"DISAGG_API_KEYS": KEYS, "DISAGG_ADMIN_KEY": ADMIN}
+    gateway = GatewayProcess(settings, env=env).start()
+    try:
+        gateway.wait_ready()
+        yield server, gateway, settings
+    finally:
+        gateway.stop()
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(stack):
+    return stack[1]
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-test-alpha", max_retries=0)
+
+
+def raw(gateway, path: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, headers, parsed JSON body) of one raw HTTP call."""
+    req = urllib.request.Request(
+        gateway.url + path,
+        data=body,
+        headers={"Authorization": "Bearer sk-test-beta", **(headers or {})},
+        method="POST" if body is not None else "GET",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def admin(gateway, path: str, body: dict | None = None):
+    return raw(gateway, path, json.dumps(body or {}).encode(), {"admin-key": ADMIN})
+
+
+def metric(server, name: str) -> float:
+    text = urllib.request.urlopen(server.endpoints.metrics, timeout=10).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
+    )
+
+
+def test_chat_streamed_text_equals_the_non_streamed_text(client):
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24)
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert "Paris" in full.choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [full.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens > 0
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens > 0
+
+
+def test_completions_and_length_finish(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    streamed = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+def test_stop_and_max_completion_tokens(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=24, stop=["Paris"]
+    )
+    assert "Paris" not in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_models_health_and_readiness(client, gateway):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    status, _, body = raw(gateway, "/ready")
+    assert status == 200 and body["ready"] is True
+    assert raw(gateway, "/health")[0] == 200
+
+
+def test_errors_in_openai_format(gateway, client):
+    bad_key = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad_key.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert e.value.body["code"] == "model_not_found"
+    for kwargs, param in [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"temperature": 5}, "temperature"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+        assert e.value.body["param"] == param, kwargs
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # the engine's own limit
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=100_000)
+
+
+def test_deprecated_models_and_versions_name_their_replacement(client):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model="smollm2-old", messages=MESSAGES)
+    assert e.value.status_code == 410 and "use 'smollm2-135m-instruct'" in e.value.message
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model=f"{MODEL}:v0", messages=MESSAGES)
+    assert e.value.status_code == 410 and f"'{MODEL}:v1'" in e.value.message
+
+
+@pytest.mark.parametrize(
+    "body, headers, status",
+    [
+        (b"{not json", {}, 400),
+        (b"\xff\xfe\xfa", {}, 400),
+        (b'{"model": "x", "messages": "' + b"a" * (2 << 20) + b'"}', {}, 413),
+        (json.dumps({"messages": MESSAGES}).encode(), {}, 400),
+        (json.dumps({"model": MODEL, "messages": []}).encode(), {}, 400),
+        (json.dumps([1, 2]).encode(), {}, 400),
+    ],
+    ids=["invalid-json", "not-utf8", "huge", "no-model", "no-messages", "not-object"],
+)
+def test_malformed_bodies_get_4xx(gateway, body, headers, status):
+    code, _, err = raw(gateway, "/v1/chat/completions", body, headers)
+    assert code == status and err["error"]["message"]
+
+
+def test_request_ids_flow_to_the_router_and_back(gateway, stack):
+    server = stack[0]
+    code, headers, _ = raw(
+        gateway,
+        "/v1/chat/completions",
+        json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 2}).encode(),
+        {"x-request-id": "trace-abc-123", "Content-Type": "application/json"},
+    )
+    assert code == 200 and headers["x-request-id"] == "trace-abc-123"
+    assert headers["x-disagg-model-version"] == "v1"
+    assert "request trace-abc-123 " in gateway.log_tail(200)
+    assert "request trace-abc-123-" in server.log_path.read_text()  # the router's id extends it
+
+
+def test_canary_split_and_rollback_without_dropping_streams(gateway, client):
+    assert admin(gateway, f"/admin/models/{MODEL}/versions/v2", {"weight": 0.3})[0] == 200
+    n, counts, lock = 240, Counter(), threading.Lock()
+
+    def worker(k):
+        c = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-test-beta", max_retries=0)
+        for _ in range(n // 8):
+            r = c.chat.completions.with_raw_response.create(
+                model=MODEL, messages=MESSAGES, max_tokens=1
+            )
+            with lock:
+                counts[r.headers["x-disagg-model-version"]] += 1
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(counts.values()) == n
+    # binomial(240, 0.3): mean 72, sd 7.1; +-4.5 sd
+    assert 40 <= counts["v2"] <= 104, counts
+
+    # everything to the canary, start a long stream on it, roll back mid-stream
+    admin(gateway, f"/admin/models/{MODEL}/versions/v2", {"weight": 1.0})
+    stream = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=48, stream=True, temperature=0.0
+    )
+    assert stream.headers["x-disagg-model-version"] == "v2"
+    chunks = iter(stream.parse())
+    first = [next(chunks) for _ in range(3)]
+    code, _, body = admin(gateway, f"/admin/models/{MODEL}/rollback")
+    assert code == 200 and body["rolled_back"] == ["v2"]
+    rest = list(chunks)
+    finish = [c.choices[0].finish_reason for c in first + rest if c.choices][-1]
+    assert finish in ("stop", "length")  # the in-flight stream finished normally
+    after = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1
+    )
+    assert after.headers["x-disagg-model-version"] == "v1"
+
+
+def test_admin_needs_the_admin_key(gateway):
+    code, _, body = raw(gateway, f"/admin/models/{MODEL}/rollback", b"{}")
+    assert code == 401 and "admin-key" in body["error"]["message"]
+
+
+def test_a_client_disconnect_frees_the_decode_slot(client, stack):
+    server = stack[0]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count from 1 to 500, one number per line."}],
+        max_tokens=400,
+        stream=True,
+    )
+    for _, _ in zip(range(6), stream, strict=False):
+        pass
+    assert metric(server, "disagg_decode_active_sequences") == 1.0
+    stream.close()
+    deadline = time.monotonic() + 10  # 400 tokens would take far longer
+    while metric(server, "disagg_decode_active_sequences") != 0.0:
+        assert time.monotonic() < deadline, "decode slot not freed after the client left"
+        time.sleep(0.2)
+
+
+def test_per_key_request_limit_answers_429_with_retry_after(stack):
+    server, _, settings = stack
+    (port,) = free_ports(1)
+    limited = GatewayProcess(
+        replace(settings, gateway_port=port, gateway_rpm=2), env={"DISAGG_API_KEYS": KEYS}
+    ).start()
+    try:
+        limited.wait_ready()
+        c = openai.OpenAI(base_url=limited.url + "/v1", api_key="sk-test-alpha", max_retries=0)
+        for _ in range(2):
+            c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as e:
+            c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+        assert 1 <= int(e.value.response.headers["retry-after"]) <= 60
+        assert e.value.body["code"] == "rate_limit_exceeded"
+        other = openai.OpenAI(base_url=limited.url + "/v1", api_key="sk-test-beta", max_retries=0)
+        assert other.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    finally:
+        limited.stop()

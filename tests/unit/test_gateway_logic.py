@@ -1,0 +1,159 @@
+"""Gateway logic without a server: request parsing, keys, per-key limits, the registry."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from disagg.errors import ConfigError
+from disagg.gateway.auth import KeyStore, RateLimiter, key_hash, new_key, write_keys_file
+from disagg.gateway.errors import APIError
+from disagg.gateway.openai_api import parse_request
+from disagg.gateway.registry import Registry
+
+pytestmark = pytest.mark.unit
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_request_maps_to_router_inputs():
+    req = parse_request(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+            "max_completion_tokens": 7,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": 3,
+            "stop": "END",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "latency_sla_ms": 150,
+            "user": "ignored",
+        },
+        "chat",
+    )
+    assert json.loads(req.inputs["messages"]) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+    ]
+    assert req.inputs["max_tokens"] == 7 and req.inputs["stop_words"] == ["END"]
+    assert req.inputs["latency_sla_ms"] == 150.0 and req.inputs["seed"] == 3
+    assert req.stream and req.include_usage
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"n": 3}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"tools": [{}]}, "tools"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "ten"}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+        ),
+    ],
+)
+def test_unsupported_or_invalid_fields_are_refused_by_name(body, param):
+    with pytest.raises(APIError) as e:
+        parse_request({"model": "m", "messages": MSG, **body}, "chat")
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_completion_specific_refusals():
+    for body in ({"echo": True}, {"best_of": 2}, {"suffix": "x"}, {"prompt": ["a", "b"]}):
+        with pytest.raises(APIError):
+            parse_request({"model": "m", "prompt": "p", **body}, "completion")
+    req = parse_request({"model": "m", "prompt": ["only one"]}, "completion")
+    assert req.inputs["text_input"] == "only one" and "messages" not in req.inputs
+
+
+def test_keys_are_kept_as_hashes_and_checked(tmp_path):
+    key = new_key()
+    path = tmp_path / "keys"
+    write_keys_file(path, [key_hash(key)])
+    assert key not in path.read_text() and oct(path.stat().st_mode)[-3:] == "600"
+    store = KeyStore.load("sk-env-1, sk-env-2", path)
+    assert store.key_id(f"Bearer {key}") == key_hash(key)[:12]
+    assert store.key_id("Bearer sk-env-2") is not None
+    assert store.key_id("Bearer nope") is None and store.key_id(None) is None
+    assert store.key_id(key) is None  # not a Bearer header
+    path.write_text("sha256:short\n")
+    with pytest.raises(ConfigError, match="keys:1"):
+        KeyStore.load(None, path)
+
+
+def test_per_key_limits_slide_over_a_minute():
+    t = [0.0]
+    lim = RateLimiter(rpm=2, tpm=100, clock=lambda: t[0])
+    assert lim.admit("a") is None and lim.admit("a") is None
+    assert lim.admit("a") == pytest.approx(60.0)
+    assert lim.admit("b") is None  # per key
+    t[0] = 30.0
+    assert lim.admit("a") == pytest.approx(30.0)
+    t[0] = 60.0
+    assert lim.admit("a") is None
+    lim.charge("b", 100)
+    assert lim.admit("b") == pytest.approx(60.0)  # token budget spent
+
+
+REGISTRY = """
+[models.m]
+versions = [
+  { name = "v1", triton_model = "router", state = "stable" },
+  { name = "v2", triton_model = "r2", triton_version = "2", state = "canary", weight = 0.25 },
+  { name = "v0", triton_model = "router", state = "deprecated" },
+]
+[models.old]
+deprecated = "m"
+"""
+
+
+def test_registry_splits_traffic_by_weight_and_pins_versions(tmp_path):
+    path = tmp_path / "models.toml"
+    path.write_text(REGISTRY)
+    reg = Registry(path, rng=random.Random(0))
+    picks = [reg.resolve("m")[1].name for _ in range(4000)]
+    assert 0.22 < picks.count("v2") / 4000 < 0.28
+    v = reg.resolve("m:v2")[1]
+    assert (v.triton_model, v.triton_version) == ("r2", "2")
+    for name, status in (("old", 410), ("m:v0", 410), ("nope", 404), ("m:v9", 404)):
+        with pytest.raises(APIError) as e:
+            reg.resolve(name)
+        assert e.value.status == status
+    assert reg.rollback("m") == ["v2"]
+    assert {reg.resolve("m")[1].name for _ in range(200)} == {"v1"}
+    with pytest.raises(APIError, match="more than 1"):
+        reg.update("m", "v2", "canary", 0.9)
+        reg.update("m", "v0", "canary", 0.5)
+    assert [m.name for m in reg.listed()] == ["m"]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[models.m]\nversions = [{ name = "v1", state = "canary", weight = 0.5 }]', "stable"),
+        ('[models.m]\nversions = [{ name = "v1", state = "live" }]', "state must be"),
+        ('[models.m]\nversions = [{ name = "v1", colour = "red" }]', "unknown keys"),
+        ("", "no models"),
+    ],
+)
+def test_a_bad_registry_is_refused(tmp_path, text, message):
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        Registry(path)
