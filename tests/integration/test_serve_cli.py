@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,29 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
             max_tokens=4,
         )
         assert reply.usage.completion_tokens > 0
+
+        # tritonserver dies (as 2.51's Python backend can under load): the gateway answers
+        # 503 meanwhile, serve keeps the crash log and brings Triton back
+        triton = _child(proc.pid, "tritonserver")
+        os.kill(triton, signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as e:
+            openai.OpenAI(
+                base_url=f"http://127.0.0.1:{gateway}/v1", api_key=key, max_retries=0
+            ).chat.completions.create(
+                model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
+            )
+        assert e.value.status_code == 503 and e.value.body["code"] == "unavailable"
+        while not any("tritonserver is back" in line for line in lines):
+            assert time.monotonic() < deadline + 240 and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        assert list(tmp_path.glob("tritonserver.crash-*.log"))
+        assert _child(proc.pid, "tritonserver") != triton
+        reply = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=4,
+        )
+        assert reply.usage.completion_tokens > 0
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
@@ -76,3 +100,15 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
     for url in (f"http://127.0.0.1:{http}/v2/health/live", f"http://127.0.0.1:{gateway}/health"):
         with pytest.raises(OSError):  # nothing listens any more
             urllib.request.urlopen(url, timeout=2)
+
+
+def _child(parent: int, name: str) -> int:
+    """The pid of `parent`'s child process called `name`."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)
+            if int(fields[1].split()[1]) == parent and fields[0].endswith("(" + name[:15]):
+                return int(stat.parent.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    raise AssertionError(f"no child {name!r} of {parent}")

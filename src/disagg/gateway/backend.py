@@ -6,9 +6,11 @@ kind (`invalid request:`, `unavailable:`; see triton/pb.py), which maps them to 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
 
@@ -48,6 +50,40 @@ def _value(result, name: str):
     return int(flat[0])
 
 
+async def _guarded(call):
+    """The call's responses, with transport failures (Triton down or restarting, the stream
+    timing out) turned into OpenAI-format 503 / 504 errors."""
+    try:
+        async for item in call:
+            yield item
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise APIError(
+                504, "the model did not finish in time", "server_error", code="timeout"
+            ) from None
+        raise APIError(
+            503,
+            f"the inference server is unavailable ({e.code().name})",
+            "server_error",
+            code="unavailable",
+        ) from None
+
+
+async def _finish(call) -> None:
+    """Let a completed stream end normally. A call dropped while open is cancelled when it is
+    collected, and cancelling gRPC streams races in Triton 2.51's server (segfaults seen here
+    under load; see triton-inference-server/server#8034), so only clients that really go
+    away cause a cancel."""
+    try:
+        async with asyncio.timeout(5):
+            async for _ in call:
+                pass
+    except (StopAsyncIteration, TimeoutError, grpc.RpcError):
+        call.cancel()
+    except Exception:
+        pass
+
+
 class TritonBackend:
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url
@@ -82,9 +118,9 @@ class TritonBackend:
             }
 
         call = self.client.stream_infer(one_request(), stream_timeout=self.timeout_s)
-        done = False
+        done = False  # the final response arrived (or an error): nothing left to cancel
         try:
-            async for result, error in call:
+            async for result, error in _guarded(call):
                 if error is not None:
                     done = True
                     raise api_error(str(error))
@@ -104,7 +140,9 @@ class TritonBackend:
                 if done:
                     return
         finally:
-            if not done:
+            if done:
+                await _finish(call)
+            else:
                 call.cancel()
 
     async def close(self) -> None:

@@ -25,6 +25,35 @@ def first_api_key(settings: ServeSettings) -> str | None:
     return key
 
 
+MAX_CRASHES_PER_HOUR = 5
+
+
+def restart_triton(server: TritonServer, crashes_this_hour: int) -> bool:
+    """Triton died (2.51's Python backend can crash under sustained concurrent BLS load,
+    upstream triton-inference-server/server#8882): keep its log, start it again. The
+    gateway answers 503 meanwhile. Gives up after MAX_CRASHES_PER_HOUR."""
+    kept = server.log_path.with_name(f"tritonserver.crash-{int(time.time())}.log")
+    print(
+        f"tritonserver exited ({server.proc.returncode}); log kept as {kept}:\n"
+        f"{server.log_tail(15)}",
+        file=sys.stderr,
+    )
+    server.stop()
+    server.log_path.replace(kept)
+    if crashes_this_hour > MAX_CRASHES_PER_HOUR:
+        print(f"{crashes_this_hour} crashes within an hour; not restarting", file=sys.stderr)
+        return False
+    print("restarting tritonserver ...", file=sys.stderr, flush=True)
+    try:
+        server.start()
+        server.wait_ready()
+    except (ConfigError, RuntimeError, TimeoutError) as e:
+        print(f"error: restart failed: {e}", file=sys.stderr)
+        return False
+    print("tritonserver is back", file=sys.stderr, flush=True)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="disagg serve", description=__doc__)
     p.add_argument("--config", help="TOML settings file (env DISAGG_<SETTING> overrides it)")
@@ -91,15 +120,18 @@ Try:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    while not stopping and server.proc.poll() is None:
+    crashes: list[float] = []
+    while not stopping:
         if gateway.proc.poll() is not None:  # the gateway is stateless: restart it
             print(f"gateway exited; restarting. Log:\n{gateway.log_tail()}", file=sys.stderr)
             gateway.stop()
             gateway.start()
+        if server.proc.poll() is not None:
+            crashes = [t for t in crashes if time.monotonic() - t < 3600] + [time.monotonic()]
+            if not restart_triton(server, len(crashes)):
+                gateway.stop()
+                return 1
         time.sleep(0.5)
-    if server.proc.poll() is not None and not stopping:
-        print(f"tritonserver exited unexpectedly; log:\n{server.log_tail()}", file=sys.stderr)
-        return 1
     print("\nstopping ...", flush=True)
     gateway.stop()
     server.stop()

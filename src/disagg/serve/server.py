@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -25,6 +26,21 @@ ADMIN_HEADER = "admin-key"
 # Triton APIs that change or inspect the server beyond inference: behind the admin key.
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 SHM_BYTES = 64 * 2**20  # Python backend shared memory per stub: KV payloads are tens of MB
+
+
+def _stub_shm_regions(session: int) -> list[str]:
+    """Shared memory regions of the Python backend stubs in a server's process group."""
+    regions = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or os.getpgid(int(proc.name)) != session:
+                continue
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        if b"triton_python_backend_stub" in args[0] and len(args) > 2:
+            regions.append(args[2].decode())
+    return regions
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -144,17 +160,26 @@ class TritonServer:
             return "(no log)"
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Graceful shutdown; after a crash, also the stub processes and shared memory
+        regions the dead server left behind. Safe to call twice; start() may follow."""
         if self.supervisor is not None:
             self.supervisor.stop()
-        if self.proc is None or self.proc.poll() is not None:
+            self.supervisor = None
+        if self.proc is None:
             return
-        self.proc.send_signal(signal.SIGINT)  # Triton's graceful shutdown
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and its stub processes
-            self.proc.wait()
+        regions = _stub_shm_regions(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # Triton's graceful shutdown
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
+        self.proc.wait()
+        for name in regions:  # a clean shutdown removed them already
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{name}")
         self.log_file.close()
+        self.proc = None
 
     def __enter__(self) -> TritonServer:
         self.start()

@@ -93,8 +93,10 @@ class ServeSettings:
 
     @property
     def keys_file(self) -> Path:
-        return self.path("gateway_keys_file") if self.gateway_keys_file else (
-            self.path("build_dir") / "gateway_keys"
+        return (
+            self.path("gateway_keys_file")
+            if self.gateway_keys_file
+            else (self.path("build_dir") / "gateway_keys")
         )
 
     def path(self, name: str) -> Path:
