@@ -71,9 +71,9 @@ async def _guarded(call):
 
 async def _finish(call) -> None:
     """Let a completed stream end normally. A call dropped while open is cancelled when it is
-    collected, and cancelling gRPC streams races in Triton 2.51's server (segfaults seen here
-    under load; see triton-inference-server/server#8034), so only clients that really go
-    away cause a cancel."""
+    collected, and a cancel that reaches Triton 2.51 after its request completed is the race
+    suspected in the crashes seen here under load (triton-inference-server/server#8034,
+    #8882), so only clients that really go away cause a cancel."""
     try:
         async with asyncio.timeout(5):
             async for _ in call:
@@ -134,15 +134,17 @@ class TritonBackend:
                 params = result.get_response().parameters
                 final = params.get("triton_final_response")
                 if final is not None and final.bool_param:
+                    # end the RPC before the caller sees the last piece: a caller that stops
+                    # reading after it (a client closing after [DONE]) must not leave an open
+                    # call behind to be cancelled
                     done = True
+                    await _finish(call)
                 if piece.text or piece.finish_reason:
                     yield piece
                 if done:
                     return
         finally:
-            if done:
-                await _finish(call)
-            else:
+            if not done:
                 call.cancel()
 
     async def close(self) -> None:
