@@ -46,7 +46,7 @@ lint: venv
 bench: engine
 	$(PY) benchmarks/engine_bench.py --engine-dir $(ENGINE_DIR)
 	$(PY) benchmarks/serving_bench.py --engine-dir $(ENGINE_DIR)
-	$(PY) benchmarks/router_bench.py --engine-dir $(ENGINE_DIR)
+	$(PY) benchmarks/entry_bench.py --engine-dir $(ENGINE_DIR)
 
 clean:
 	rm -rf $(VENV) engines results .pytest_cache
