@@ -135,6 +135,17 @@ def grpc_inputs(inputs: dict):
     return out
 
 
+def output_value(result, name: str) -> str | int | None:
+    """One scalar output of a tritonclient result (text decoded), or None when absent."""
+    arr = result.as_numpy(name)
+    if arr is None:
+        return None
+    flat = arr.reshape(-1)
+    if flat.dtype == np.object_:
+        return flat[0].decode("utf-8") if flat.size else ""
+    return int(flat[0])
+
+
 class GrpcClient:
     """Bidirectional gRPC streaming with tritonclient (the decoupled `ensemble`)."""
 
@@ -170,10 +181,10 @@ class GrpcClient:
                 res, error = events.get(timeout=self.timeout_s)
                 if error is not None:
                     raise GenerateError(str(error))
-                out = {n: self._value(res, n) for n in self.OUTPUTS}
+                out = {n: output_value(res, n) for n in self.OUTPUTS}
                 _absorb(result, {k: v for k, v in out.items() if v is not None}, start, on_delta)
                 for name in self.EXTRA_OUTPUTS:
-                    value = self._value(res, name)
+                    value = output_value(res, name)
                     if value is not None:
                         result.extra[name] = value
                 final = res.get_response().parameters.get("triton_final_response")
@@ -187,16 +198,6 @@ class GrpcClient:
             self.client.stop_stream()
         result.total_s = time.perf_counter() - start
         return result
-
-    @staticmethod
-    def _value(res, name: str):
-        arr = res.as_numpy(name)
-        if arr is None:
-            return None
-        flat = arr.reshape(-1)
-        if flat.dtype == np.object_:
-            return flat[0].decode("utf-8") if flat.size else ""
-        return int(flat[0])
 
     def close(self) -> None:
         self.client.close()

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 import tritonclient.grpc.aio as grpcaio
 
 from disagg.client import grpc_inputs
+from disagg.client import output_value as _value
 from disagg.gateway.errors import APIError
 
 OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "finish_reason")
@@ -38,16 +38,6 @@ def api_error(message: str) -> APIError:
     if "unavailable:" in message:
         return APIError(503, message, type_="server_error", code="unavailable")
     return APIError(500, message, type_="server_error")
-
-
-def _value(result, name: str):
-    arr = result.as_numpy(name)
-    if arr is None:
-        return None
-    flat = arr.reshape(-1)
-    if flat.dtype == np.object_:
-        return flat[0].decode("utf-8") if flat.size else ""
-    return int(flat[0])
 
 
 async def _guarded(call):

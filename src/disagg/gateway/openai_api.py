@@ -167,6 +167,17 @@ def parse_request(body: object, kind: str) -> GenRequest:
 FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
+def _envelope(req: GenRequest, rid: str, fingerprint: str, obj: str, prefix: str, choice: dict):
+    return {
+        "id": prefix + rid,
+        "object": obj,
+        "created": req.created,
+        "model": req.model,
+        "system_fingerprint": fingerprint,
+        "choices": [choice],
+    }
+
+
 def usage(n_in: int, n_out: int) -> dict:
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
@@ -190,15 +201,7 @@ def full_response(
             "finish_reason": FINISH.get(finish, finish),
         }
         obj, prefix = "text_completion", "cmpl-"
-    return {
-        "id": prefix + rid,
-        "object": obj,
-        "created": req.created,
-        "model": req.model,
-        "system_fingerprint": fingerprint,
-        "choices": [choice],
-        "usage": usage(n_in, n_out),
-    }
+    return {**_envelope(req, rid, fingerprint, obj, prefix, choice), "usage": usage(n_in, n_out)}
 
 
 def chunk(
@@ -220,14 +223,7 @@ def chunk(
         obj, prefix = "text_completion", "cmpl-"
     if finish is not None:
         choice["finish_reason"] = FINISH.get(finish, finish)
-    return {
-        "id": prefix + rid,
-        "object": obj,
-        "created": req.created,
-        "model": req.model,
-        "system_fingerprint": fingerprint,
-        "choices": [choice],
-    }
+    return _envelope(req, rid, fingerprint, obj, prefix, choice)
 
 
 def usage_chunk(req: GenRequest, rid: str, fingerprint: str, n_in: int, n_out: int) -> dict:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from disagg.errors import ConfigError
+from disagg.filewatch import FileWatch
 from disagg.gateway.errors import APIError
 
 STABLE, CANARY, DEPRECATED = "stable", "canary", "deprecated"
@@ -113,28 +113,15 @@ class Registry:
     def __init__(self, path: Path, rng: random.Random | None = None) -> None:
         self.path = path
         self.models = load_registry(path)
-        self._stamp = self._file_stamp()
-        self._checked = time.monotonic()
+        self.watch = FileWatch(path)
         self.rng = rng or random.Random()
         self.lock = threading.Lock()
         self.last_error: str | None = None
 
-    def _file_stamp(self):
-        try:
-            st = self.path.stat()
-            return st.st_mtime_ns, st.st_size
-        except OSError:
-            return None
-
     def maybe_reload(self) -> None:
         """The file, when it changed (checked at most once a second); a bad file is refused."""
-        if time.monotonic() - self._checked < 1.0:
+        if not self.watch.changed():
             return
-        self._checked = time.monotonic()
-        stamp = self._file_stamp()
-        if stamp == self._stamp:
-            return
-        self._stamp = stamp
         try:
             models = load_registry(self.path)
         except ConfigError as e:

@@ -32,13 +32,13 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from disagg.errors import ConfigError
+from disagg.filewatch import FileWatch
 
 log = logging.getLogger("disagg.routing")
 
@@ -299,41 +299,19 @@ class PolicySource:
 
     def __init__(self, path: str | Path, check_every_s: float = 1.0) -> None:
         self.path = Path(path)
-        self.check_every_s = check_every_s
         self.policy = load_policy(self.path)  # an error here fails the model load
-        self._stamp = self._file_stamp()
-        self._checked = time.monotonic()
+        self.watch = FileWatch(self.path, check_every_s)
         self.last_error: str | None = None
         self.num_reloads = 0
 
-    def _file_stamp(self) -> tuple[int, int] | None:
-        try:
-            st = self.path.stat()
-            return st.st_mtime_ns, st.st_size
-        except OSError:
-            return None
-
     def current(self) -> Policy:
-        now = time.monotonic()
-        if now - self._checked >= self.check_every_s:
-            self._checked = now
+        if self.watch.changed():
             try:
-                if self.reload_if_changed():
-                    log.info("routing policy %s reloaded", self.path)
+                self.policy = load_policy(self.path)
+                self.last_error = None
+                self.num_reloads += 1
+                log.info("routing policy %s reloaded", self.path)
             except ConfigError as e:
+                self.last_error = str(e)
                 log.error("%s; keeping the previous policy", e)
         return self.policy
-
-    def reload_if_changed(self) -> bool:
-        stamp = self._file_stamp()
-        if stamp == self._stamp:
-            return False
-        self._stamp = stamp
-        try:
-            self.policy = load_policy(self.path)
-        except ConfigError as e:
-            self.last_error = str(e)
-            raise
-        self.last_error = None
-        self.num_reloads += 1
-        return True
