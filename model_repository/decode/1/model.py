@@ -20,12 +20,17 @@ from disagg.triton.decode_service import DecodeService
 class TritonPythonModel:
     def initialize(self, args):
         p = pb.model_parameters(args)
-        pb.set_torch_threads(p)
-        config = pb.engine_config(p)
-        eos = {Tokenizer(p["engine_dir"]).eos_token_id} - {None}
-        engine = DecodeEngine(
-            Llama.load(p["engine_dir"], p.get("compute_dtype", "float32")), config, eos
-        )
+        if p.get("engine_backend", "pytorch") == "tensorrt_llm":
+            from disagg.trtllm.runtime import decode_engine
+
+            engine = decode_engine(p)  # same DecodeEngine interface, TensorRT-LLM underneath
+        else:
+            pb.set_torch_threads(p)
+            config = pb.engine_config(p)
+            eos = {Tokenizer(p["engine_dir"]).eos_token_id} - {None}
+            engine = DecodeEngine(
+                Llama.load(p["engine_dir"], p.get("compute_dtype", "float32")), config, eos
+            )
         cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.metric_family = family = pb_utils.MetricFamily(  # must outlive its metrics

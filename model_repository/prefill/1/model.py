@@ -1,4 +1,8 @@
-"""prefill: prompt ids -> first token + KV payload. Each instance is one process of the pool."""
+"""prefill: prompt ids -> first token + KV payload. Each instance is one process of the pool.
+
+engine_backend "pytorch": disagg's engine, the payload is the prompt's K/V. "tensorrt_llm":
+a context_only request, the payload is the serialised DisaggregatedParams (the K/V itself
+moves through TensorRT-LLM's cache transceiver)."""
 
 import os
 import time
@@ -18,6 +22,13 @@ INPUTS = {P.PROMPT_IDS: "ints", P.SAMPLING: "str"}
 class TritonPythonModel:
     def initialize(self, args):
         p = pb.model_parameters(args)
+        self.pid = os.getpid()
+        self.trtllm = None
+        if p.get("engine_backend", "pytorch") == "tensorrt_llm":
+            from disagg.trtllm.runtime import prefill_engine
+
+            self.trtllm = prefill_engine(p)
+            return
         pb.set_torch_threads(p)
         config = pb.engine_config(p)
         self.engine = PrefillEngine(
@@ -29,7 +40,6 @@ class TritonPythonModel:
         # pages are faulted in once instead of once per long prompt.
         self.buffers: list[np.ndarray] = []
         self.engine.prefill("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=1))
-        self.pid = os.getpid()
 
     def execute(self, requests):
         return [self._prefill(r, i) for i, r in enumerate(requests)]
@@ -46,9 +56,17 @@ class TritonPythonModel:
             f = pb.read_fields(request, INPUTS, batched=False)
             params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
             start = time.perf_counter()
-            result = self.engine.prefill(request.request_id(), f.get(P.PROMPT_IDS, []), params)
+            rid, prompt = request.request_id(), f.get(P.PROMPT_IDS, [])
+            if self.trtllm is not None:
+                from disagg.trtllm.payload import to_bytes
+
+                result, handoff = self.trtllm.prefill(rid, prompt, params)
+                payload = np.frombuffer(to_bytes(handoff), np.uint8)
+            else:
+                result = self.engine.prefill(rid, prompt, params)
             compute_us = int((time.perf_counter() - start) * 1e6)  # the hand-off starts here
-            payload = result.kv.pack(self._buffer(i, result.kv.packed_size()))
+            if self.trtllm is None:
+                payload = result.kv.pack(self._buffer(i, result.kv.packed_size()))
             return pb_utils.InferenceResponse(
                 [
                     pb.tensor(P.FIRST_TOKEN, [result.first_token], np.int32),

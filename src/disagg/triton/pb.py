@@ -350,6 +350,7 @@ def read_kv_handoff(request, request_id: str):
     """The decode model's view of an orchestrator request: (PrefillResult | None, prompt ids)."""
     from disagg.engine import PrefillResult
     from disagg.kv_payload import KVPayload
+    from disagg.trtllm import payload as trtllm_payload
 
     payload = _array(request, P.KV_PAYLOAD)
     if payload is None:
@@ -361,7 +362,11 @@ def read_kv_handoff(request, request_id: str):
     seed = _array(request, P.RESOLVED_SEED)
     if first is None or seed is None:
         raise KVPayloadError(f"{P.KV_PAYLOAD} needs {P.FIRST_TOKEN} and {P.RESOLVED_SEED}")
-    kv = KVPayload.from_bytes(payload.tobytes() if not payload.flags.c_contiguous else payload.data)
+    data = payload.tobytes() if not payload.flags.c_contiguous else payload.data
+    if trtllm_payload.is_trtllm_payload(data):  # TensorRT-LLM: DisaggregatedParams, not K/V
+        kv = trtllm_payload.from_bytes(data)
+    else:
+        kv = KVPayload.from_bytes(data)
     return PrefillResult(
         request_id, int(first.reshape(-1)[0]), kv, int(seed.reshape(-1)[0]), 0.0
     ), None

@@ -1,0 +1,187 @@
+"""PrefillEngine / DecodeEngine roles played by TensorRT-LLM's LLM API.
+
+    prefill:  llm.generate(prompt, SamplingParams(max_tokens=1),
+                           disaggregated_params=DisaggregatedParams(request_type="context_only"))
+              -> first token + DisaggregatedParams (ctx_request_id, opaque_state, ...)
+    decode:   llm.generate_async(prompt, sampling, streaming=True,
+                                 disaggregated_params=<those, request_type="generation_only">)
+              -> tokens; the KV cache arrives through TensorRT-LLM's cache transceiver
+
+TrtllmDecodeEngine keeps DecodeEngine's interface (add_request / finish_request / step /
+has_unfinished / stats), so DecodeService and the decode model drive it unchanged: one thread
+per request reads TensorRT-LLM's stream into a queue, and `step()` drains it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from disagg.engine import PrefillResult, TokenOutput, resolve_seed
+from disagg.errors import CapacityError, RequestError
+from disagg.sequence import FinishReason, SamplingParams
+from disagg.trtllm.payload import TrtllmHandoff, params_to_dict
+
+FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "cancelled": FinishReason.ABORT,  # after result.abort()
+}
+
+
+@dataclass(frozen=True)
+class TrtllmApi:
+    """The few names of `tensorrt_llm` used here (a test double stands in without a GPU)."""
+
+    LLM: Any
+    SamplingParams: Any
+    DisaggregatedParams: Any
+
+    @classmethod
+    def load(cls) -> TrtllmApi:
+        import tensorrt_llm
+        from tensorrt_llm.llmapi import DisaggregatedParams
+
+        return cls(tensorrt_llm.LLM, tensorrt_llm.SamplingParams, DisaggregatedParams)
+
+
+def trt_sampling(api: TrtllmApi, params: SamplingParams, seed: int, max_tokens: int | None = None):
+    kwargs = dict(
+        max_tokens=max_tokens or params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        seed=seed,
+        ignore_eos=params.ignore_eos,
+    )
+    if params.top_k > 0:
+        kwargs["top_k"] = params.top_k
+    if params.stop_token_ids:
+        kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    return api.SamplingParams(**kwargs)
+
+
+class TrtllmPrefillEngine:
+    def __init__(self, llm, api: TrtllmApi, max_prompt_tokens: int) -> None:
+        self.llm = llm
+        self.api = api
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> tuple[PrefillResult, TrtllmHandoff]:
+        if not prompt_ids:
+            raise RequestError("empty prompt")
+        if len(prompt_ids) > self.max_prompt_tokens:
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens over {self.max_prompt_tokens}")
+        seed = resolve_seed(params)
+        start = time.perf_counter()
+        out = self.llm.generate(
+            prompt_ids,
+            sampling_params=trt_sampling(self.api, params, seed, max_tokens=1),
+            disaggregated_params=self.api.DisaggregatedParams(request_type="context_only"),
+        )
+        completion = out.outputs[0]
+        if not completion.token_ids or completion.disaggregated_params is None:
+            raise RuntimeError("TensorRT-LLM returned no first token or no disaggregated params")
+        handoff = TrtllmHandoff(
+            list(prompt_ids), seed, params_to_dict(completion.disaggregated_params)
+        )
+        result = PrefillResult(
+            request_id, int(completion.token_ids[0]), None, seed, time.perf_counter() - start
+        )
+        return result, handoff
+
+
+class TrtllmDecodeEngine:
+    def __init__(self, llm, api: TrtllmApi, max_num_seqs: int) -> None:
+        self.llm = llm
+        self.api = api
+        self.max_num_seqs = max_num_seqs
+        self._events: queue.Queue[TokenOutput] = queue.Queue()
+        self._streams: dict[str, Any] = {}  # request id -> TensorRT-LLM result (abortable)
+        self._lock = threading.Lock()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._streams) or not self._events.empty()
+
+    def stats(self) -> dict[str, int]:
+        return {"num_running": len(self._streams), "num_waiting": 0}
+
+    def add_request(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        *,
+        prefill: PrefillResult | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> None:
+        with self._lock:
+            if len(self._streams) >= self.max_num_seqs:
+                raise CapacityError(f"decode is full ({self.max_num_seqs} sequences)")
+            if prefill is not None:
+                handoff: TrtllmHandoff = prefill.kv
+                fields = {**handoff.params, "request_type": "generation_only"}
+                result = self.llm.generate_async(
+                    handoff.prompt_ids,
+                    sampling_params=trt_sampling(self.api, params, handoff.seed),
+                    disaggregated_params=self.api.DisaggregatedParams(**fields),
+                    streaming=True,
+                )
+                first_index = 0  # generation_only output starts with the context's first token
+            else:  # co-located / fallback: TensorRT-LLM runs the whole request here
+                if not prompt_ids:
+                    raise RequestError("empty prompt")
+                result = self.llm.generate_async(
+                    prompt_ids,
+                    sampling_params=trt_sampling(self.api, params, resolve_seed(params)),
+                    streaming=True,
+                )
+                first_index = 0
+            self._streams[request_id] = result
+        skip = 1 if prefill is not None else 0  # the orchestrator already has token 0
+        threading.Thread(
+            target=self._pump,
+            args=(request_id, result, skip, first_index),
+            name=f"trtllm-{request_id[:8]}",
+            daemon=True,
+        ).start()
+
+    def _pump(self, request_id: str, result, skip: int, index: int) -> None:
+        """Cumulative streaming outputs -> one TokenOutput per new token, then the finish."""
+        seen = 0
+        reason = FinishReason.ABORT
+        try:
+            for out in result:
+                completion = out.outputs[0]
+                for token in completion.token_ids[seen:]:
+                    if index >= skip:
+                        self._events.put(TokenOutput(request_id, int(token), index, None))
+                    index += 1
+                seen = len(completion.token_ids)
+                if completion.finish_reason:
+                    reason = FINISH.get(completion.finish_reason, FinishReason.STOP)
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            self._events.put(TokenOutput(request_id, None, index, reason))
+
+    def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        with self._lock:
+            result = self._streams.get(request_id)
+        if result is not None:
+            result.abort()
+
+    def step(self, wait_s: float = 0.05) -> list[TokenOutput]:
+        """Whatever TensorRT-LLM produced since the last step (waits briefly for something)."""
+        outputs = []
+        try:
+            outputs.append(self._events.get(timeout=wait_s))
+            while True:
+                outputs.append(self._events.get_nowait())
+        except queue.Empty:
+            pass
+        return outputs
