@@ -110,7 +110,10 @@ class TritonServer:
         engine_cfg = self.settings.path("engine_dir") / "config.json"
         if not engine_cfg.is_file():
             raise ConfigError(f"{engine_cfg} not found: build the engine first (make engine)")
-        install = triton_install.prepare(self.build_dir / "backends")
+        s = self.settings
+        install = triton_install.from_settings(
+            s.triton_server, s.triton_backends, self.build_dir / "backends"
+        )
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self.run_dir.mkdir(parents=True)
         repos = render_repositories(

@@ -37,6 +37,16 @@ class ServeSettings:
     max_tokens_default: int = 128  # when a request does not say
     max_batch_size: int = 8  # Triton batch dimension of client-facing models (requests are 1)
     compute_dtype: str = "float32"  # or "bfloat16": half the weight bytes, CPUs with bf16 only
+    # the engine of the prefill and decode pools: "pytorch" (disagg's, CPU) or "tensorrt_llm"
+    # (NVIDIA GPUs; see docs/gpu.md and build_engines/build_trtllm_engine.py)
+    engine_backend: str = "pytorch"
+    instance_kind: str = "KIND_CPU"  # KIND_GPU with tensorrt_llm
+    trtllm_prefill_model: str = ""  # HF checkpoint, or the context engine build_trtllm wrote
+    trtllm_decode_model: str = ""  # HF checkpoint, or the generation engine
+    trtllm_prefill_options: str = ""  # LLM-API options (YAML) of the prefill pool
+    trtllm_decode_options: str = ""  # ... and of the decode pool
+    triton_server: str = ""  # a tritonserver binary (e.g. NVIDIA's image); "" = nvidia-pytriton's
+    triton_backends: str = ""  # its --backend-directory, with triton_server
     prefill_torch_threads: int = 0  # 0: torch's default (all cores)
     decode_torch_threads: int = 0
     prefill_timeout_s: float = 60.0  # then the request falls back to decode's own prefill
@@ -44,6 +54,8 @@ class ServeSettings:
     router_policy: str = "model_repository/router/policy.toml"  # reloaded when it changes
     served_model_name: str = "smollm2-135m-instruct"  # the public name routing rules match
     gateway_port: int = 9000  # the OpenAI-compatible API (binds `host` too)
+    gateway_enabled: bool = True  # serve starts the gateway (compose runs it as its own service)
+    gateway_triton_url: str = ""  # Triton's gRPC address for the gateway; "" = host:grpc_port
     gateway_auth: bool = True  # API keys required; off is refused on a non-loopback host
     gateway_keys_file: str = ""  # sha256:<hex> lines; "" = <build_dir>/gateway_keys
     gateway_models: str = "configs/models.toml"  # public names -> versions -> Triton models
@@ -72,6 +84,14 @@ class ServeSettings:
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(
                 f"setting compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}"
+            )
+        if self.engine_backend not in ("pytorch", "tensorrt_llm"):
+            raise ConfigError(
+                f"setting engine_backend: pytorch or tensorrt_llm, not {self.engine_backend!r}"
+            )
+        if self.instance_kind not in ("KIND_CPU", "KIND_GPU"):
+            raise ConfigError(
+                f"setting instance_kind must be KIND_CPU or KIND_GPU, got {self.instance_kind!r}"
             )
         if self.mode not in MODES:
             raise ConfigError(f"setting mode must be one of {MODES}, got {self.mode!r}")

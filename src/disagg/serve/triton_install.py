@@ -68,3 +68,14 @@ def server_env(install: TritonInstall, extra_pythonpath: list[Path]) -> dict[str
         [str(p) for p in extra_pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     )
     return env
+
+
+def from_settings(server: str, backends: str, backend_dir: Path) -> TritonInstall:
+    """NVIDIA's tritonserver (in its container) when `server` is set, else nvidia-pytriton's."""
+    if not server:
+        return prepare(backend_dir)
+    binary, backends_dir = Path(server), Path(backends or Path(server).parents[1] / "backends")
+    for path in (binary, backends_dir / "python"):
+        if not path.exists():
+            raise ConfigError(f"{path} not found (settings triton_server / triton_backends)")
+    return TritonInstall(server=binary, libs=binary.parent, backend_dir=backends_dir)
