@@ -157,3 +157,17 @@ def test_a_bad_registry_is_refused(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         Registry(path)
+
+
+def test_keys_from_a_secret_file_join_the_environments(tmp_path):
+    from disagg.gateway.__main__ import _env_keys
+
+    secret = tmp_path / "disagg_api_keys"
+    secret.write_text("sk-one\nsk-two, sk-three\n")
+    store = KeyStore.load(
+        _env_keys({"DISAGG_API_KEYS": "sk-env", "DISAGG_API_KEYS_FILE": str(secret)}), None
+    )  # noqa: E501
+    for key in ("sk-env", "sk-one", "sk-two", "sk-three"):
+        assert store.key_id(f"Bearer {key}") is not None
+    with pytest.raises(ConfigError, match="DISAGG_API_KEYS_FILE"):
+        _env_keys({"DISAGG_API_KEYS_FILE": str(tmp_path / "missing")})

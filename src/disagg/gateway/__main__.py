@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -22,10 +23,23 @@ from disagg.gateway.registry import Registry
 from disagg.serve.settings import ServeSettings
 
 
+def _env_keys(env) -> str:
+    """DISAGG_API_KEYS, and the keys in the file DISAGG_API_KEYS_FILE names (a compose or
+    Kubernetes secret: keys separated by commas or new lines)."""
+    keys = env.get(KEYS_ENV, "")
+    path = env.get(KEYS_ENV + "_FILE")
+    if path:
+        try:
+            keys += "," + ",".join(Path(path).read_text().split())
+        except OSError as e:
+            raise ConfigError(f"{KEYS_ENV}_FILE: {e}") from e
+    return keys
+
+
 def build_config(settings: ServeSettings, env=os.environ) -> GatewayConfig:
     keys = None
     if settings.gateway_auth:
-        keys = KeyStore.load(env.get(KEYS_ENV), settings.keys_file)
+        keys = KeyStore.load(_env_keys(env), settings.keys_file)
         if not keys.hashes:
             raise ConfigError(
                 f"no API keys: set {KEYS_ENV}, or put sha256:<hex> lines in {settings.keys_file} "
@@ -35,7 +49,10 @@ def build_config(settings: ServeSettings, env=os.environ) -> GatewayConfig:
         keys=keys,
         limiter=RateLimiter(settings.gateway_rpm, settings.gateway_tpm),
         registry=Registry(settings.path("gateway_models")),
-        backend=TritonBackend(f"{settings.host}:{settings.grpc_port}", settings.gateway_timeout_s),
+        backend=TritonBackend(
+            settings.gateway_triton_url or f"{settings.host}:{settings.grpc_port}",
+            settings.gateway_timeout_s,
+        ),
         admin_key=env.get("DISAGG_ADMIN_KEY") or None,
         max_body_bytes=settings.gateway_max_body_bytes,
     )

@@ -18,7 +18,13 @@ from disagg.serve.settings import ServeSettings
 
 def first_api_key(settings: ServeSettings) -> str | None:
     """With auth on and no keys anywhere, make one: keep its hash, show it once."""
-    if not settings.gateway_auth or os.environ.get(KEYS_ENV) or settings.keys_file.is_file():
+    if (
+        not settings.gateway_enabled
+        or not settings.gateway_auth
+        or os.environ.get(KEYS_ENV)
+        or os.environ.get(KEYS_ENV + "_FILE")
+        or settings.keys_file.is_file()
+    ):
         return None
     key = new_key()
     write_keys_file(settings.keys_file, [key_hash(key)])
@@ -73,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         server.start()
         server.wait_ready()
         # the gateway's admin API shares Triton's admin key
-        gateway = GatewayProcess(settings, env={ADMIN_KEY_ENV: server.admin_key}).start()
-        gateway.wait_ready()
+        gateway = GatewayProcess(settings, env={ADMIN_KEY_ENV: server.admin_key})
+        if settings.gateway_enabled:
+            gateway.start().wait_ready()
     except (ConfigError, RuntimeError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         if "server" in locals():
@@ -122,7 +129,7 @@ Try:
     signal.signal(signal.SIGTERM, on_signal)
     crashes: list[float] = []
     while not stopping:
-        if gateway.proc.poll() is not None:  # the gateway is stateless: restart it
+        if settings.gateway_enabled and gateway.proc.poll() is not None:  # stateless: restart
             print(f"gateway exited; restarting. Log:\n{gateway.log_tail()}", file=sys.stderr)
             gateway.stop()
             gateway.start()
@@ -133,7 +140,8 @@ Try:
                 return 1
         time.sleep(0.5)
     print("\nstopping ...", flush=True)
-    gateway.stop()
+    if settings.gateway_enabled:
+        gateway.stop()
     server.stop()
     return 0
 

@@ -1,0 +1,100 @@
+"""docker-compose.yml and the files it mounts, checked without Docker (no engine here): the
+compose file by a real Compose-spec parser (the `compose_spec` Rust crate's bindings), and
+disagg's own rules: loopback ports, no secrets in files, GPU reservation, a dashboard that
+only plots metrics that exist."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from compose_spec import PyCompose
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_the_compose_file_is_valid_compose():
+    parsed = PyCompose.from_yaml(COMPOSE.read_text())
+    assert set(parsed.service_names()) == {
+        "triton-gpu", "triton-cpu", "gateway", "prometheus", "grafana"
+    }  # fmt: skip
+
+
+def test_a_broken_compose_file_is_caught_by_the_same_parser():
+    text = COMPOSE.read_text().replace("    ports:\n", "    portz:\n", 1)
+    with pytest.raises(ValueError, match="portz"):
+        PyCompose.from_yaml(text)
+
+
+def test_profiles_pick_the_gpu_or_the_cpu_stack(compose):
+    services = compose["services"]
+    assert services["triton-gpu"]["profiles"] == ["gpu"]
+    assert services["triton-cpu"]["profiles"] == ["cpu"]
+    for name in ("gateway", "prometheus", "grafana"):
+        assert set(services[name]["profiles"]) == {"gpu", "cpu"}
+    gpu = services["triton-gpu"]
+    assert gpu["build"]["args"]["BASE_IMAGE"].endswith("-trtllm-python-py3")
+    assert services["triton-cpu"]["build"]["args"]["BASE_IMAGE"].endswith("-py3")
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and devices[0]["capabilities"] == ["gpu"]
+    for name in ("triton-gpu", "triton-cpu"):  # the gateway finds either as "triton"
+        assert services[name]["networks"]["default"]["aliases"] == ["triton"]
+    assert services["gateway"]["environment"]["DISAGG_GATEWAY_TRITON_URL"] == "triton:8001"
+
+
+def test_every_port_binds_loopback_and_no_secret_is_written_down(compose):
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+        env = service.get("environment", {})
+        for key, value in env.items():
+            if re.search(r"KEY|TOKEN|SECRET|PASSWORD", key) and not key.endswith("_FILE"):
+                assert str(value).startswith("${"), f"{name}: {key} must come from the environment"
+    assert compose["secrets"]["disagg_api_keys"] == {"environment": "DISAGG_API_KEYS"}
+
+
+def test_dockerfile_copies_what_exists():
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    for src in re.findall(r"^COPY (\S+)", text, re.M):
+        assert (ROOT / src).exists(), src
+    lines = (ROOT / "deploy" / "requirements-serve.txt").read_text().splitlines()
+    pins = [x for x in lines if x and not x.startswith("#")]
+    assert not any(x.startswith("torch") for x in pins)  # the image's own (CUDA) or CPU build
+
+
+def _defined_metrics() -> set[str]:
+    names = set()
+    for path in list((ROOT / "src").rglob("*.py")) + list(
+        (ROOT / "model_repository").rglob("*.py")
+    ):
+        names |= set(re.findall(r'"(disagg_[a-z_]+)"', path.read_text()))
+    return names
+
+
+def test_prometheus_scrapes_triton_and_the_dashboard_plots_real_metrics():
+    prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    assert prom["scrape_configs"][0]["static_configs"][0]["targets"] == ["triton:8002"]
+    dash = json.loads((ROOT / "deploy/grafana/dashboards/disagg.json").read_text())
+    triton = {
+        "nv_inference_request_success",
+        "nv_inference_request_failure",
+        "nv_inference_queue_duration_us",
+    }  # noqa: E501
+    known = _defined_metrics() | triton
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\b((?:disagg|nv)_[a-z_]+)", e)}
+    assert used and used <= known, used - known
+    provider = yaml.safe_load(
+        (ROOT / "deploy/grafana/provisioning/dashboards/disagg.yml").read_text()
+    )  # noqa: E501
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
