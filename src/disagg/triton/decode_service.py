@@ -64,17 +64,23 @@ class DecodeService:
         prefill: PrefillResult | None = None,
         prompt_ids: list[int] | None = None,
     ) -> None:
-        """Raises RequestError / CapacityError at once; otherwise output flows to `sink`."""
+        """Raises RequestError / CapacityError at once (after the acknowledgement); otherwise
+        output flows to `sink`."""
         if self.dead is not None:
             raise EngineDeadError(f"decode engine is dead: {self.dead}")
+        # The acknowledgement (tells the caller which worker to watch) goes out before the
+        # engine can see the request: sent after, it raced the loop thread, which may finish
+        # a short request at once, and a Triton response after the final one is a
+        # use-after-free in the server (SIGSEGV in TRITONBACKEND_ResponseNewFromFactory).
+        try:
+            sink.send([], None)
+        except Exception:  # the caller is gone already: nothing to do
+            log.info("request %s: caller gone before decode started", request_id)
+            return
         with self._wake:
             self.engine.add_request(request_id, params, prefill=prefill, prompt_ids=prompt_ids)
             self._sinks[request_id] = sink
             self._wake.notify()
-        try:
-            sink.send([], None)  # accepted: tells the caller which worker to watch
-        except Exception:
-            self.engine.finish_request(request_id, FinishReason.ABORT)
 
     def _loop(self) -> None:
         last_check = 0.0
