@@ -61,9 +61,9 @@ async def _guarded(call):
 
 async def _finish(call) -> None:
     """Let a completed stream end normally. A call dropped while open is cancelled when it is
-    collected, and a cancel that reaches Triton 2.51 after its request completed is the race
-    suspected in the crashes seen here under load (triton-inference-server/server#8034,
-    #8882), so only clients that really go away cause a cancel."""
+    collected; a cancel reaching Triton after its request completed is a known race in the
+    server (triton-inference-server/server#8034), so only clients that really go away cause
+    a cancel."""
     try:
         async with asyncio.timeout(5):
             async for _ in call:

@@ -35,9 +35,9 @@ MAX_CRASHES_PER_HOUR = 5
 
 
 def restart_triton(server: TritonServer, crashes_this_hour: int) -> bool:
-    """Triton died (2.51's Python backend can crash under sustained concurrent BLS load,
-    upstream triton-inference-server/server#8882): keep its log, start it again. The
-    gateway answers 503 meanwhile. Gives up after MAX_CRASHES_PER_HOUR."""
+    """Triton died (a model bug can crash the whole server; see docs/gateway.md): keep its
+    log, start it again. The gateway answers 503 meanwhile. Gives up after
+    MAX_CRASHES_PER_HOUR."""
     kept = server.log_path.with_name(f"tritonserver.crash-{int(time.time())}.log")
     print(
         f"tritonserver exited ({server.proc.returncode}); log kept as {kept}:\n"
