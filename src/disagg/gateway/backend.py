@@ -36,7 +36,7 @@ def api_error(message: str) -> APIError:
     if "invalid request:" in message:
         return APIError(400, message.split("invalid request:", 1)[1].strip())
     if "unavailable:" in message:
-        return APIError(503, message, type_="server_error", code="unavailable")
+        return APIError(503, message, type_="server_error", code="model_unavailable")
     return APIError(500, message, type_="server_error")
 
 
@@ -74,6 +74,9 @@ async def _finish(call) -> None:
         pass
 
 
+RETRY_S = 5.0  # how long a request waits for an unreachable Triton (restarting) before 503
+
+
 class TritonBackend:
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url
@@ -83,7 +86,14 @@ class TritonBackend:
     @property
     def client(self) -> grpcaio.InferenceServerClient:
         if self._client is None:  # created inside the server's event loop
-            self._client = grpcaio.InferenceServerClient(self.url)
+            # reconnect quickly after Triton restarts (gRPC's default backoff grows to 2 min)
+            self._client = grpcaio.InferenceServerClient(
+                self.url,
+                channel_args=[
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                ],
+            )
         return self._client
 
     async def is_ready(self, model: str) -> bool:
@@ -96,7 +106,32 @@ class TritonBackend:
         self, model: str, version: str, request_id: str, inputs: dict
     ) -> AsyncIterator[Piece]:
         """Stream the router's responses; closing this generator cancels the request in
-        Triton (and, through the router, frees its decode slot)."""
+        Triton (and, through the router, frees its decode slot). A request Triton could not
+        be reached for (nothing came back yet) is tried again for up to RETRY_S: the server
+        may be restarting, and the request never reached it, so nothing is duplicated."""
+        deadline = asyncio.get_running_loop().time() + RETRY_S
+        while True:
+            pieces = self._generate_once(model, version, request_id, inputs)
+            try:
+                first = await anext(pieces)
+            except APIError as e:
+                if e.code != "unavailable" or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.25)
+                continue
+            except StopAsyncIteration:
+                return
+            break
+        try:
+            yield first
+            async for piece in pieces:
+                yield piece
+        finally:
+            await pieces.aclose()
+
+    async def _generate_once(
+        self, model: str, version: str, request_id: str, inputs: dict
+    ) -> AsyncIterator[Piece]:
 
         async def one_request():
             yield {
