@@ -16,23 +16,7 @@ from disagg.triton import pb
 from disagg.triton import protocol as P
 from disagg.triton.orchestrator import Orchestrator, build_request
 
-INPUTS = {
-    P.INPUT_IDS: "ints",
-    P.TEXT_INPUT: "str",
-    P.MAX_TOKENS: "int",
-    P.STREAM: "bool",
-    P.TEMPERATURE: "float",
-    P.TOP_K: "int",
-    P.TOP_P: "float",
-    P.SEED: "int",
-    P.STOP_WORDS: "strs",
-    P.BAD_WORDS: "strs",
-    P.END_ID: "int",
-    P.PAD_ID: "int",
-    P.EXCLUDE_INPUT_IN_OUTPUT: "bool",
-    P.RETURN_NUM_INPUT_TOKENS: "bool",
-    P.RETURN_NUM_OUTPUT_TOKENS: "bool",
-}
+INPUTS = {P.INPUT_IDS: "ints", **P.GENERATION_INPUTS}
 BATCHED = True  # max_batch_size > 0: tensors carry a batch dimension (of 1)
 
 

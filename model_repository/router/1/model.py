@@ -17,22 +17,9 @@ from disagg.triton import pb
 from disagg.triton import protocol as P
 
 INPUTS = {
-    P.TEXT_INPUT: "str",
+    **P.GENERATION_INPUTS,
     P.MESSAGES: "str",
     P.APPLY_CHAT_TEMPLATE: "bool",
-    P.MAX_TOKENS: "int",
-    P.STREAM: "bool",
-    P.TEMPERATURE: "float",
-    P.TOP_K: "int",
-    P.TOP_P: "float",
-    P.SEED: "int",
-    P.STOP_WORDS: "strs",
-    P.BAD_WORDS: "strs",
-    P.END_ID: "int",
-    P.PAD_ID: "int",
-    P.EXCLUDE_INPUT_IN_OUTPUT: "bool",
-    P.RETURN_NUM_INPUT_TOKENS: "bool",
-    P.RETURN_NUM_OUTPUT_TOKENS: "bool",
     P.MODEL: "str",
     P.LATENCY_SLA_MS: "float",
     P.TASK_TYPE: "str",

@@ -375,23 +375,19 @@ def read_kv_handoff(request, request_id: str):
 # ------------------------------------------------------------------ router
 
 
-# The orchestrator's client-facing inputs, as the router forwards them (batched: [1, n]).
+# The orchestrator's inputs as the router forwards them (batched: [1, n]), by read kind.
+_KIND_DTYPES = {
+    "str": np.object_,
+    "strs": np.object_,
+    "int": np.int32,
+    "ints": np.int32,
+    "float": np.float32,
+    "bool": np.bool_,
+}
 _ORCHESTRATOR_DTYPES = {
     P.INPUT_IDS: np.int32,
-    P.TEXT_INPUT: np.object_,
-    P.MAX_TOKENS: np.int32,
-    P.STREAM: np.bool_,
-    P.TEMPERATURE: np.float32,
-    P.TOP_K: np.int32,
-    P.TOP_P: np.float32,
-    P.SEED: np.uint64,
-    P.STOP_WORDS: np.object_,
-    P.BAD_WORDS: np.object_,
-    P.END_ID: np.int32,
-    P.PAD_ID: np.int32,
-    P.EXCLUDE_INPUT_IN_OUTPUT: np.bool_,
-    P.RETURN_NUM_INPUT_TOKENS: np.bool_,
-    P.RETURN_NUM_OUTPUT_TOKENS: np.bool_,
+    **{name: _KIND_DTYPES[kind] for name, kind in P.GENERATION_INPUTS.items()},
+    P.SEED: np.uint64,  # the one input wider than its read kind
 }
 _ORCHESTRATOR_OUTPUTS = [
     P.TEXT_OUTPUT,

@@ -42,6 +42,25 @@ NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
 FINISH_REASON = "finish_reason"
 
+# How the orchestrator reads the client-facing generation inputs (pb.read_fields kinds); the
+# router takes the same and forwards them to the orchestrator unchanged.
+GENERATION_INPUTS = {
+    TEXT_INPUT: "str",
+    MAX_TOKENS: "int",
+    STREAM: "bool",
+    TEMPERATURE: "float",
+    TOP_K: "int",
+    TOP_P: "float",
+    SEED: "int",
+    STOP_WORDS: "strs",
+    BAD_WORDS: "strs",
+    END_ID: "int",
+    PAD_ID: "int",
+    EXCLUDE_INPUT_IN_OUTPUT: "bool",
+    RETURN_NUM_INPUT_TOKENS: "bool",
+    RETURN_NUM_OUTPUT_TOKENS: "bool",
+}
+
 # ------------------------------------------------------------------ tokenizer -> orchestrator
 INPUT_IDS = "input_ids"  # INT32 [-1]
 
