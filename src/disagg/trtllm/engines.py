@@ -131,7 +131,6 @@ class TrtllmDecodeEngine:
                     disaggregated_params=self.api.DisaggregatedParams(**fields),
                     streaming=True,
                 )
-                first_index = 0  # generation_only output starts with the context's first token
             else:  # co-located / fallback: TensorRT-LLM runs the whole request here
                 if not prompt_ids:
                     raise RequestError("empty prompt")
@@ -140,34 +139,35 @@ class TrtllmDecodeEngine:
                     sampling_params=trt_sampling(self.api, params, resolve_seed(params)),
                     streaming=True,
                 )
-                first_index = 0
             self._streams[request_id] = result
-        skip = 1 if prefill is not None else 0  # the orchestrator already has token 0
+        # generation_only output starts with the context's first token, which the
+        # orchestrator already has from prefill
+        skip = 1 if prefill is not None else 0
         threading.Thread(
             target=self._pump,
-            args=(request_id, result, skip, first_index),
+            args=(request_id, result, skip),
             name=f"trtllm-{request_id[:8]}",
             daemon=True,
         ).start()
 
-    def _pump(self, request_id: str, result, skip: int, index: int) -> None:
-        """Cumulative streaming outputs -> one TokenOutput per new token, then the finish."""
-        seen = 0
+    def _pump(self, request_id: str, result, skip: int) -> None:
+        """Cumulative streaming outputs -> one TokenOutput per new token (output index i, the
+        first `skip` left out), then the finish."""
+        seen = 0  # tokens of the cumulative output already handled
         reason = FinishReason.ABORT
         try:
             for out in result:
                 completion = out.outputs[0]
-                for token in completion.token_ids[seen:]:
-                    if index >= skip:
-                        self._events.put(TokenOutput(request_id, int(token), index, None))
-                    index += 1
-                seen = len(completion.token_ids)
+                tokens = completion.token_ids
+                for i in range(max(seen, skip), len(tokens)):
+                    self._events.put(TokenOutput(request_id, int(tokens[i]), i, None))
+                seen = len(tokens)
                 if completion.finish_reason:
                     reason = FINISH.get(completion.finish_reason, FinishReason.STOP)
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-            self._events.put(TokenOutput(request_id, None, index, reason))
+            self._events.put(TokenOutput(request_id, None, seen, reason))
 
     def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         with self._lock:
