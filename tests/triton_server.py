@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 from disagg.serve.server import free_ports
 
 
@@ -28,3 +30,15 @@ def start_server(engine_dir, build_dir, **overrides):
         server.stop()
         raise
     return server
+
+
+def metric(server, name: str, **labels) -> float:
+    """The sum of a Prometheus metric's series on the server's metrics port, optionally only
+    those with the given label values."""
+    text = urllib.request.urlopen(server.endpoints.metrics, timeout=10).read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and all(w in line for w in want)
+    )

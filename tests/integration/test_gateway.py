@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import openai
 import pytest
-from triton_server import start_server
+from triton_server import metric, start_server
 
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import free_ports
@@ -81,13 +81,6 @@ def raw(gateway, path: str, body: bytes | None = None, headers: dict | None = No
 
 def admin(gateway, path: str, body: dict | None = None):
     return raw(gateway, path, json.dumps(body or {}).encode(), {"admin-key": ADMIN})
-
-
-def metric(server, name: str) -> float:
-    text = urllib.request.urlopen(server.endpoints.metrics, timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
-    )
 
 
 def test_chat_streamed_text_equals_the_non_streamed_text(client):

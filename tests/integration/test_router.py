@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import os
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from fake_openai import CANNED, FakeOpenAI
-from triton_server import start_server
+from triton_server import metric, start_server
 
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.sequence import SamplingParams
@@ -153,16 +152,6 @@ def chat(prompt: str = PROMPT, max_tokens: int = 16, **kw) -> dict:
 
 def route(r) -> tuple[str, str, str]:
     return r.extra["route_target"], r.extra["route_reason"], r.extra["served_by"]
-
-
-def metric(server, name: str, **labels) -> float:
-    text = urllib.request.urlopen(server.endpoints.metrics, timeout=10).read().decode()
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") and all(w in line for w in want)
-    )
 
 
 def canned(n: int) -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from triton_server import metric
 
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.sequence import SamplingParams
@@ -53,14 +54,6 @@ def expected(llm, prompt: str, max_tokens: int = 48):
     """What the engine in this process answers: the reference for the served pipeline."""
     (c,) = llm.generate([prompt], SamplingParams(max_tokens=max_tokens))
     return c
-
-
-def metric(server, name: str) -> float:
-    text = urllib.request.urlopen(server.endpoints.metrics, timeout=10).read().decode()
-    values = [
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
-    ]
-    return sum(values)
 
 
 def test_generate_equals_the_engine_token_for_token(http, llm):
