@@ -46,15 +46,26 @@ def request_id(request: Request) -> str:
     return given or uuid.uuid4().hex
 
 
+DRAIN_FACTOR = 16  # an oversized body up to this many times the limit is read and dropped
+
+
 async def read_json(request: Request, limit: int) -> object:
+    """The body as JSON; over `limit` bytes, a 413. A body somewhat over the limit is read to
+    its end (and dropped) before the answer: closing on a client still sending resets the
+    connection and the client never sees the 413. A much larger one is cut off."""
+    too_large = APIError(413, f"request body over {limit} bytes", code="request_too_large")
     size = int(request.headers.get("content-length") or 0)
-    if size > limit:
-        raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
-    data = bytearray()
+    if size > limit * DRAIN_FACTOR:
+        raise too_large
+    data, received = bytearray(), 0
     async for chunk in request.stream():
-        data += chunk
-        if len(data) > limit:
-            raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+        received += len(chunk)
+        if received > limit * DRAIN_FACTOR:
+            raise too_large
+        if received <= limit:
+            data += chunk
+    if received > limit:
+        raise too_large
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
