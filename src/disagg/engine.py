@@ -9,9 +9,11 @@ DecodeEngine.step()              -> TokenOutputs; the loop is schedule / run / p
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,7 +105,13 @@ class DecodeEngine:
     """Continuous-batching decode over one model. Thread-safe for add/finish from other
     threads while one thread calls `step()`."""
 
-    def __init__(self, model: Llama, config: EngineConfig, eos_token_ids: set[int]) -> None:
+    def __init__(
+        self,
+        model: Llama,
+        config: EngineConfig,
+        eos_token_ids: set[int],
+        on_admit: Callable[[float, float | None], None] | None = None,
+    ) -> None:
         if config.max_model_len > model.args.max_context:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the engine's max_context "
@@ -121,6 +129,8 @@ class DecodeEngine:
         self._prompts: dict[str, list[int]] = {}  # co-located requests awaiting prefill
         self._lock = threading.Lock()
         self.num_steps = 0
+        # (queue seconds, seconds of prefill done here or None) per admitted sequence: metrics
+        self.on_admit = on_admit
 
     # ---------------------------------------------------------------- requests
 
@@ -180,6 +190,7 @@ class DecodeEngine:
             "kv_bytes_reserved": bm.num_used_blocks
             * bm.block_size
             * self.model.args.kv_bytes_per_token,
+            "kv_bytes_capacity": bm.num_blocks * bm.block_size * self.model.args.kv_bytes_per_token,
             "num_steps": self.num_steps,
         }
 
@@ -221,6 +232,18 @@ class DecodeEngine:
     def _admit(self, seq: Sequence, outputs: list[TokenOutput]) -> bool:
         """Write the sequence's prompt K/V into its slot (prefilling it here if it came
         without). Returns True if its first token already ends it."""
+        start = time.perf_counter()
+        prefill_here = seq.pending_kv is None
+        done = self._admit_kv(seq, outputs)
+        if self.on_admit is not None:
+            prefill_s = time.perf_counter() - start if prefill_here else None
+            try:
+                self.on_admit(start - seq.arrival_s, prefill_s)
+            except Exception:  # metrics must never stop decoding
+                logging.getLogger("disagg.engine").exception("on_admit hook failed")
+        return done
+
+    def _admit_kv(self, seq: Sequence, outputs: list[TokenOutput]) -> bool:
         if seq.pending_kv is not None:
             kv: KVPayload = seq.pending_kv
             self.cache.write(seq.slot, kv.k, kv.v)

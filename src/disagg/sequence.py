@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from dataclasses import dataclass, field
 
 from disagg.errors import RequestError
@@ -93,6 +94,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     # prefill output waiting to be written into the slot when the sequence is admitted
     pending_kv: object | None = field(default=None, repr=False)
+    arrival_s: float = field(default_factory=time.perf_counter)  # added to the engine
 
     @property
     def num_tokens(self) -> int:

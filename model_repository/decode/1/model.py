@@ -6,8 +6,6 @@ import os
 import uuid
 from pathlib import Path
 
-import triton_python_backend_utils as pb_utils
-
 from disagg.cancel import CancelRegistry
 from disagg.engine import DecodeEngine
 from disagg.model import Llama
@@ -20,6 +18,7 @@ from disagg.triton.decode_service import DecodeService
 class TritonPythonModel:
     def initialize(self, args):
         p = pb.model_parameters(args)
+        self.metrics = pb.DecodeMetrics(args["model_name"], args["model_instance_name"])
         if p.get("engine_backend", "pytorch") == "tensorrt_llm":
             from disagg.trtllm.runtime import decode_engine
 
@@ -29,21 +28,14 @@ class TritonPythonModel:
             config = pb.engine_config(p)
             eos = {Tokenizer(p["engine_dir"]).eos_token_id} - {None}
             engine = DecodeEngine(
-                Llama.load(p["engine_dir"], p.get("compute_dtype", "float32")), config, eos
+                Llama.load(p["engine_dir"], p.get("compute_dtype", "float32")),
+                config,
+                eos,
+                on_admit=self.metrics.on_admit,
             )
         cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
-        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
-        self.metric_family = family = pb_utils.MetricFamily(  # must outlive its metrics
-            name="disagg_decode_active_sequences",
-            description="Sequences in the decode engine (running + waiting for a slot)",
-            kind=pb_utils.MetricFamily.GAUGE,
-        )
-        self.active = family.Metric(labels=labels)
-        self.service = DecodeService(engine, cancels, on_step=self._on_step).start()
+        self.service = DecodeService(engine, cancels, on_step=self.metrics.on_step).start()
         self.pid = os.getpid()
-
-    def _on_step(self, stats):
-        self.active.set(stats["num_running"] + stats["num_waiting"])
 
     def execute(self, requests):
         for request in requests:

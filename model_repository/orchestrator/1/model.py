@@ -14,6 +14,7 @@ from disagg.config import load_model_args
 from disagg.tokenizer import Tokenizer
 from disagg.triton import pb
 from disagg.triton import protocol as P
+from disagg.triton.conditional import CostModel, CostParams
 from disagg.triton.orchestrator import Orchestrator, build_request
 
 INPUTS = {P.INPUT_IDS: "ints", **P.GENERATION_INPUTS}
@@ -29,6 +30,11 @@ class TritonPythonModel:
         self.max_tokens_default = int(p["max_tokens_default"])
         config = pb.engine_config(p)
         cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
+        metrics = pb.OrchestratorMetrics(args["model_name"])
+        cost = CostParams(
+            remote_stall=float(p["conditional_remote_stall"]),
+            prefill_instances=int(p["prefill_instances"]),
+        )
         self.orchestrator = Orchestrator(
             self.tokenizer,
             load_model_args(p["engine_dir"]),
@@ -36,6 +42,8 @@ class TritonPythonModel:
             prefill_pool=pb.BlsPrefillPool(p["prefill_model"], float(p["prefill_timeout_s"])),
             decode_pool=pb.BlsDecodePool(p["decode_model"], cancels),
             mode=p["mode"],
+            events=metrics,
+            cost_model=CostModel(cost),
         )
         self.runner = pb.RequestRunner(
             self.decoupled,
@@ -43,6 +51,7 @@ class TritonPythonModel:
             parse=self._parse,
             run=self.orchestrator.run,
             respond=lambda reply: pb.reply_response(reply, BATCHED),
+            on_error=lambda kind: metrics.error("request", kind),
         )
 
     def _parse(self, request):

@@ -55,7 +55,7 @@ class TritonPythonModel:
         try:
             f = pb.read_fields(request, INPUTS, batched=False)
             params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
-            start = time.perf_counter()
+            start, start_wall_ns = time.perf_counter(), time.time_ns()
             rid, prompt = request.request_id(), f.get(P.PROMPT_IDS, [])
             if self.trtllm is not None:
                 from disagg.trtllm.payload import to_bytes
@@ -74,6 +74,7 @@ class TritonPythonModel:
                     pb_utils.Tensor(P.KV_PAYLOAD, payload),
                     pb.tensor(P.WORKER_PID, [self.pid], np.int32),
                     pb.tensor(P.PREFILL_TIME_US, [compute_us], np.int64),
+                    pb.tensor(P.PREFILL_START_NS, [start_wall_ns], np.int64),
                 ]
             )
         except Exception as e:

@@ -147,6 +147,11 @@ def parse_request(body: object, kind: str) -> GenRequest:
                 inputs[name] = kind_(body[name])
             except (TypeError, ValueError):
                 raise bad_request(f"'{name}' must be a {kind_.__name__}", name) from None
+    ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: exactly max_tokens tokens
+    if not isinstance(ignore_eos, bool):
+        raise bad_request("'ignore_eos' must be a boolean", "ignore_eos")
+    if ignore_eos:
+        inputs["ignore_eos"] = True
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")

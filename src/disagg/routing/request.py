@@ -47,6 +47,8 @@ def local_only_fields(fields: dict, messages: list[dict] | None) -> tuple[str, .
         why.append(P.BAD_WORDS)
     if P.END_ID in fields:
         why.append(P.END_ID)
+    if fields.get(P.IGNORE_EOS):
+        why.append(P.IGNORE_EOS)
     return tuple(why)
 
 

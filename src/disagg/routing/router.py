@@ -71,6 +71,9 @@ class RouterEvents:
 
     def endpoint_error(self, endpoint: str, kind: str) -> None: ...
 
+    def retry(self, endpoint: str) -> None:
+        """A request passed on to `endpoint` after an earlier endpoint of its pool failed."""
+
 
 def new_request_id(client_id: str = "") -> str:
     """Unique, file-name safe, and greppable by the client's own id when it sent one."""
@@ -160,6 +163,8 @@ class Router:
             if why is not None:
                 causes.append(why)
                 continue
+            if any(c.startswith("endpoint_failed") for c in causes):
+                self.events.retry(name)
             try:
                 return self._serve_endpoint(ep, req, emit, is_cancelled), ""
             except EndpointError as e:

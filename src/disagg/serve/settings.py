@@ -17,7 +17,7 @@ from disagg.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
 ENV_PREFIX = "DISAGG_"
-MODES = ("disaggregated", "colocated")
+MODES = ("disaggregated", "colocated", "conditional")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,12 @@ class ServeSettings:
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
-    mode: str = "disaggregated"  # or "colocated": decode prefills its own requests
+    # "disaggregated": every prompt through the prefill pool; "colocated": decode prefills its
+    # own requests; "conditional": the orchestrator's cost model picks per request
+    mode: str = "disaggregated"
+    # conditional mode: the share of a remote prefill's time that still slows decode. 0.5 when
+    # both pools share CPU cores (the default CPU setup); 0 for pools on separate GPUs.
+    conditional_remote_stall: float = 0.5
     prefill_instances: int = 1  # prefill pool size (processes)
     decode_instances: int = 1  # decode pool size (processes, one engine each)
     tokenizer_instances: int = 1
@@ -93,6 +98,8 @@ class ServeSettings:
             raise ConfigError(
                 f"setting instance_kind must be KIND_CPU or KIND_GPU, got {self.instance_kind!r}"
             )
+        if self.conditional_remote_stall > 1:
+            raise ConfigError("setting conditional_remote_stall must be between 0 and 1")
         if self.mode not in MODES:
             raise ConfigError(f"setting mode must be one of {MODES}, got {self.mode!r}")
         if not 1 <= self.max_tokens_default <= self.max_tokens_limit < self.max_model_len:

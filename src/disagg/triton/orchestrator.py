@@ -27,13 +27,15 @@ from disagg.engine import validate_request
 from disagg.errors import PoolError
 from disagg.sequence import FinishReason, SamplingParams
 from disagg.tokenizer import TextStream, Tokenizer
+from disagg.triton.conditional import CostModel, Load, LoadTracker
 
 log = logging.getLogger("disagg.orchestrator")
 
 DISAGGREGATED = "disaggregated"
 COLOCATED = "colocated"
+CONDITIONAL = "conditional"  # per request, by the cost model in conditional.py
 FALLBACK = "fallback"  # disaggregated, but the prefill pool failed: decode prefilled
-MODES = (DISAGGREGATED, COLOCATED)
+MODES = (DISAGGREGATED, COLOCATED, CONDITIONAL)
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,9 @@ class Handoff:
     kv_payload: np.ndarray  # uint8 [n]: KVPayload.to_bytes()
     worker_pid: int
     prefill_time_s: float  # compute only, as measured by the prefill worker
+    start_wall_s: float = 0.0  # time.time() when its compute began (0: not reported)
     call_time_s: float = 0.0  # the whole prefill call, as the orchestrator saw it
+    queue_s: float = 0.0  # sent -> compute began (same host's clock; 0 when not reported)
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,28 @@ class GenerateRequest:
     params: SamplingParams
     stream: bool = False
     exclude_input_in_output: bool = True
+    arrival_s: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
+
+
+class OrchestratorEvents:
+    """Hooks for metrics (times in seconds, labels from small closed sets); the default does
+    nothing. `served_by` is DISAGGREGATED, COLOCATED or FALLBACK."""
+
+    def first_token(self, served_by: str, ttft_s: float) -> None: ...
+
+    def token_gap(self, served_by: str, itl_s: float, num_tokens: int) -> None: ...
+
+    def finished(self, served_by: str, finish_reason: str, e2e_s: float) -> None: ...
+
+    def prefill(self, queue_s: float, compute_s: float) -> None: ...
+
+    def kv_handoff(self, num_bytes: int, seconds: float) -> None: ...
+
+    def decision(self, remote: bool, reason: str) -> None: ...
+
+    def error(self, stage: str, kind: str) -> None: ...
+
+    def load(self, load: Load) -> None: ...
 
 
 @dataclass
@@ -103,6 +129,12 @@ class Reply:
     token_ids: list[int] = field(default_factory=list)
     kv_bytes: int = 0  # size of the KV payload handed from prefill to decode
     kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
+
+
+@dataclass
+class _Timing:
+    arrival_s: float
+    last_token_s: float | None = None
 
 
 def request_id_for(caller_id: str) -> str:
@@ -136,6 +168,7 @@ def build_request(
         stop_token_ids=stop_ids,
         stop=stop,
         bad_words_ids=bad,
+        ignore_eos=bool(fields.get("ignore_eos", False)),
     )
     return GenerateRequest(
         request_id=request_id_for(caller_id),
@@ -156,6 +189,8 @@ class Orchestrator:
         prefill_pool: PrefillPool | None,
         decode_pool: DecodePool,
         mode: str = DISAGGREGATED,
+        events: OrchestratorEvents | None = None,
+        cost_model: CostModel | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -165,6 +200,9 @@ class Orchestrator:
         self.prefill_pool = prefill_pool
         self.decode_pool = decode_pool
         self.mode = mode
+        self.events = events or OrchestratorEvents()
+        self.cost_model = cost_model or CostModel()
+        self.load = LoadTracker(on_change=self.events.load)
         self.eos = {tokenizer.eos_token_id} - {None}
 
     def check_request(self, req: GenerateRequest) -> None:
@@ -181,10 +219,27 @@ class Orchestrator:
         Raises RequestError (bad input) or PoolError (decode failed mid-request)."""
         self.check_request(req)
         out = Reply("", len(req.prompt_ids), 0)
+        timing = _Timing(req.arrival_s)
         text = TextStream(self.tokenizer, req.params.stop)
         handoff = self._prefill(req, out)
         if handoff is not None:
+            self._token_times(out, timing)
             self._add_tokens(req, out, text, [handoff.first_token], emit)
+        self.load.add_decode(1)
+        try:
+            finish = self._decode(req, out, text, handoff, timing, emit, is_cancelled)
+        except PoolError:
+            self.events.error("decode", "pool")
+            raise
+        finally:
+            self.load.add_decode(-1)
+        tail = text.flush()
+        out.finish_reason = finish
+        out.text = tail if req.stream else self._full_text(req, text)
+        self.events.finished(out.served_by, finish, time.perf_counter() - req.arrival_s)
+        return out
+
+    def _decode(self, req, out, text, handoff, timing, emit, is_cancelled) -> str:
         steps = self.decode_pool.generate(
             req.request_id,
             req.params,
@@ -195,12 +250,10 @@ class Orchestrator:
         sent = time.perf_counter()
         for step in steps:
             if not out.decode_pid and handoff is not None:  # decode's acknowledgement
-                # prefill side: call time less compute; decode side: send -> payload accepted
-                out.kv_bytes = int(handoff.kv_payload.nbytes)
-                out.kv_handoff_s = (
-                    handoff.call_time_s - handoff.prefill_time_s + time.perf_counter() - sent
-                )
+                self._handoff_done(req, out, handoff, time.perf_counter() - sent)
             out.decode_pid = step.worker_pid
+            if step.token_ids:
+                self._token_times(out, timing, len(step.token_ids))
             if finish is None:  # after a stop string or a cancel, drain without adding text
                 self._add_tokens(req, out, text, step.token_ids, emit)
                 if text.stopped:
@@ -213,25 +266,60 @@ class Orchestrator:
                 finish = finish or step.finish_reason
         if finish is None:
             raise PoolError("decode stream ended without a finish reason")
-        tail = text.flush()
-        out.finish_reason = finish
-        out.text = tail if req.stream else self._full_text(req, text)
-        return out
+        return finish
+
+    def _token_times(self, out: Reply, timing: _Timing, num_tokens: int = 1) -> None:
+        """Token timing: TTFT on the first, the gap since the last response per token after."""
+        now = time.perf_counter()
+        if timing.last_token_s is None:
+            self.events.first_token(out.served_by, now - timing.arrival_s)
+            num_tokens, gap = num_tokens - 1, 0.0  # the rest of the first response came with it
+        else:
+            gap = (now - timing.last_token_s) / max(num_tokens, 1)
+        if num_tokens > 0:
+            self.events.token_gap(out.served_by, gap, num_tokens)
+        timing.last_token_s = now
+
+    def _handoff_done(self, req, out: Reply, handoff: Handoff, accept_s: float) -> None:
+        # prefill side: call time less queue and compute; decode side: send -> payload accepted
+        out.kv_bytes = int(handoff.kv_payload.nbytes)
+        out.kv_handoff_s = max(
+            handoff.call_time_s - handoff.queue_s - handoff.prefill_time_s + accept_s, 0.0
+        )
+        self.events.kv_handoff(out.kv_bytes, out.kv_handoff_s)
+        self.cost_model.observe_handoff(len(req.prompt_ids), out.kv_handoff_s)
 
     def _prefill(self, req: GenerateRequest, out: Reply) -> Handoff | None:
         if self.mode == COLOCATED or self.prefill_pool is None:
             out.served_by = COLOCATED
             return None
-        start = time.perf_counter()
+        n = len(req.prompt_ids)
+        if self.mode == CONDITIONAL:
+            decision = self.cost_model.decide(n, self.load.snapshot())
+            self.events.decision(decision.remote, decision.reason)
+            log.debug("request %s: %s", req.request_id, decision.explain())
+            if not decision.remote:
+                out.served_by = COLOCATED
+                return None
+        start, sent_wall = time.perf_counter(), time.time()
+        self.load.add_prefill(n)
         try:
             handoff = self.prefill_pool.prefill(req.request_id, req.prompt_ids, req.params)
-            handoff = dataclasses.replace(handoff, call_time_s=time.perf_counter() - start)
         except PoolError as e:
             log.warning(
                 "request %s: prefill pool failed (%s); decode prefills it", req.request_id, e
             )
+            self.events.error("prefill", "pool")
             out.served_by = FALLBACK
             return None
+        finally:
+            self.load.add_prefill(-n)
+        queue_s = max(handoff.start_wall_s - sent_wall, 0.0) if handoff.start_wall_s else 0.0
+        handoff = dataclasses.replace(
+            handoff, call_time_s=time.perf_counter() - start, queue_s=queue_s
+        )
+        self.events.prefill(queue_s, handoff.prefill_time_s)
+        self.cost_model.observe_prefill(n, handoff.prefill_time_s)
         out.served_by = DISAGGREGATED
         out.prefill_pid = handoff.worker_pid
         return handoff

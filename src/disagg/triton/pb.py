@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from disagg import metrics as M
 from disagg.cancel import CancelRegistry
 from disagg.config import EngineConfig
 from disagg.errors import (
@@ -157,6 +158,14 @@ def error_code(exc: Exception):
     return pb_utils.TritonError.INTERNAL
 
 
+def error_kind(exc: Exception) -> str:
+    """A metric label for an error: invalid_request, unavailable or internal."""
+    code = error_code(exc)
+    if code == pb_utils.TritonError.INVALID_ARG:
+        return "invalid_request"
+    return "unavailable" if code == pb_utils.TritonError.UNAVAILABLE else "internal"
+
+
 # Message prefixes by error kind: a gRPC stream carries an error's message but not its code,
 # so clients such as the gateway read the kind from here.
 _PREFIXES = ("invalid request: ", "unavailable: ")
@@ -215,6 +224,7 @@ class BlsPrefillPool:
                 P.KV_PAYLOAD,
                 P.WORKER_PID,
                 P.PREFILL_TIME_US,
+                P.PREFILL_START_NS,
             ],
             timeout=self.timeout_us,
         )
@@ -229,6 +239,7 @@ class BlsPrefillPool:
             kv_payload=_output(response, P.KV_PAYLOAD),
             worker_pid=int(_output(response, P.WORKER_PID)[0]),
             prefill_time_s=int(_output(response, P.PREFILL_TIME_US)[0]) / 1e6,
+            start_wall_s=int(_output(response, P.PREFILL_START_NS)[0]) / 1e9,
         )
 
 
@@ -470,38 +481,50 @@ def routed_response(reply, batched: bool) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(output_tensors=outputs)
 
 
-class _Counter:
-    """A counter family whose label sets are created on first use (label values come from a
-    small closed set: policy targets and rule names, endpoint names, error kinds)."""
+def _family_kind(kind: str):
+    # looked up late: the stub that auto-completes configs has no MetricFamily
+    return getattr(pb_utils.MetricFamily, kind.upper())
 
-    def __init__(self, name: str, description: str) -> None:
-        self.family = pb_utils.MetricFamily(name, description, pb_utils.MetricFamily.COUNTER)
-        self.metrics: dict[tuple, object] = {}
+
+class Family:
+    """One metric of disagg.metrics on Triton's metrics port. Label sets are created on first
+    use (their values come from small closed sets); `fixed` labels go on every series."""
+
+    def __init__(self, metric: M.Metric, **fixed: str) -> None:
+        self.spec = metric
+        self.fixed = fixed
+        self.family = pb_utils.MetricFamily(metric.name, metric.help, _family_kind(metric.kind))
+        self.series: dict[tuple, object] = {}
         self.lock = threading.Lock()
 
-    def inc(self, **labels: str) -> None:
+    def _get(self, labels: dict[str, str]):
+        labels = {**self.fixed, **labels}
         key = tuple(sorted(labels.items()))
         with self.lock:
-            metric = self.metrics.get(key)
-            if metric is None:
-                metric = self.metrics[key] = self.family.Metric(labels=labels)
-        metric.increment(1)
+            series = self.series.get(key)
+            if series is None:
+                extra = {"buckets": list(self.spec.buckets)} if self.spec.buckets else {}
+                series = self.series[key] = self.family.Metric(labels=labels, **extra)
+        return series
+
+    def inc(self, value: float = 1.0, **labels: str) -> None:
+        self._get(labels).increment(value)
+
+    def set(self, value: float, **labels: str) -> None:
+        self._get(labels).set(value)
+
+    def observe(self, value: float, **labels: str) -> None:
+        self._get(labels).observe(value)
 
 
 class RouterMetrics:
     """The router's counters, on Triton's metrics port (implements RouterEvents)."""
 
     def __init__(self) -> None:
-        self.requests = _Counter(
-            "disagg_router_requests_total", "Requests served, by policy target and reason"
-        )
-        self.fallbacks = _Counter(
-            "disagg_router_fallbacks_total",
-            "Requests whose planned external target could not serve them, by cause",
-        )
-        self.endpoint_errors = _Counter(
-            "disagg_router_endpoint_errors_total", "Failed calls to external endpoints, by kind"
-        )
+        self.requests = Family(M.ROUTER_REQUESTS)
+        self.fallbacks = Family(M.ROUTER_FALLBACKS)
+        self.retries = Family(M.ROUTER_RETRIES)
+        self.endpoint_errors = Family(M.ROUTER_ENDPOINT_ERRORS)
 
     def decision(self, target: str, reason: str) -> None:
         self.requests.inc(target=target, reason=reason)
@@ -509,8 +532,89 @@ class RouterMetrics:
     def fallback(self, planned: str, cause: str) -> None:
         self.fallbacks.inc(target=planned, cause=cause)
 
+    def retry(self, endpoint: str) -> None:
+        self.retries.inc(endpoint=endpoint)
+
     def endpoint_error(self, endpoint: str, kind: str) -> None:
         self.endpoint_errors.inc(endpoint=endpoint, kind=kind)
+
+
+class OrchestratorMetrics:
+    """The orchestrator's histograms and counters (implements OrchestratorEvents)."""
+
+    def __init__(self, model: str) -> None:
+        f = {"model": model}
+        self.ttft, self.itl, self.e2e = Family(M.TTFT, **f), Family(M.ITL, **f), Family(M.E2E, **f)
+        self.requests, self.errors = Family(M.REQUESTS, **f), Family(M.ERRORS, **f)
+        self.queue, self.prefill_s = Family(M.QUEUE), Family(M.PREFILL)
+        self.kv_bytes, self.kv_s = Family(M.KV_BYTES, **f), Family(M.KV_SECONDS, **f)
+        self.decisions = Family(M.DECISIONS, **f)
+        self.prefill_queue = Family(M.PREFILL_INFLIGHT, **f)
+
+    def first_token(self, served_by: str, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s, served_by=served_by)
+
+    def token_gap(self, served_by: str, itl_s: float, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            self.itl.observe(itl_s, served_by=served_by)
+
+    def finished(self, served_by: str, finish_reason: str, e2e_s: float) -> None:
+        self.e2e.observe(e2e_s, served_by=served_by)
+        self.requests.inc(served_by=served_by, finish_reason=finish_reason)
+
+    def prefill(self, queue_s: float, compute_s: float) -> None:
+        self.queue.observe(queue_s, pool="prefill")
+        self.prefill_s.observe(compute_s, pool="prefill")
+
+    def kv_handoff(self, num_bytes: int, seconds: float) -> None:
+        self.kv_bytes.observe(num_bytes)
+        self.kv_s.observe(seconds)
+
+    def decision(self, remote: bool, reason: str) -> None:
+        self.decisions.inc(prefill="remote" if remote else "local", reason=reason)
+
+    def error(self, stage: str, kind: str) -> None:
+        self.errors.inc(stage=stage, kind=kind)
+
+    def load(self, load) -> None:
+        self.prefill_queue.set(load.prefill_queue_tokens)
+
+
+class DecodeMetrics:
+    """One decode instance's gauges, updated after every engine step, and its queue and
+    co-located prefill histograms (DecodeService's on_step and on_admit hooks)."""
+
+    def __init__(self, model: str, instance: str) -> None:
+        f = {"model": model, "instance": instance}
+        self.active, self.batch = Family(M.DECODE_ACTIVE, **f), Family(M.DECODE_BATCH, **f)
+        self.waiting, self.kv = Family(M.DECODE_WAITING, **f), Family(M.DECODE_KV_BYTES, **f)
+        self.kv_capacity, self.steps = (
+            Family(M.DECODE_KV_CAPACITY, **f),
+            Family(M.DECODE_STEPS, **f),
+        )
+        self.queue, self.prefill_s = Family(M.QUEUE), Family(M.PREFILL)
+        self.last_steps = 0
+
+    def on_step(self, stats: dict) -> None:
+        """Gauges from DecodeEngine.stats(); an engine that lacks a figure leaves it out."""
+        running, waiting = stats.get("num_running", 0), stats.get("num_waiting", 0)
+        self.active.set(running + waiting)
+        self.batch.set(running)
+        self.waiting.set(waiting)
+        for family, key in (
+            (self.kv, "kv_bytes_reserved"),
+            (self.kv_capacity, "kv_bytes_capacity"),
+        ):
+            if key in stats:
+                family.set(stats[key])
+        if "num_steps" in stats:
+            self.steps.inc(stats["num_steps"] - self.last_steps)
+            self.last_steps = stats["num_steps"]
+
+    def on_admit(self, queue_s: float, prefill_s: float | None) -> None:
+        self.queue.observe(queue_s, pool="decode")
+        if prefill_s is not None:
+            self.prefill_s.observe(prefill_s, pool="decode")
 
 
 def configure_logging() -> None:
@@ -538,9 +642,12 @@ class RequestRunner:
     `run(req, emit, is_cancelled)` returns the final reply; `respond(reply)` makes a
     response of a reply."""
 
-    def __init__(self, decoupled: bool, max_concurrency: int, parse, run, respond) -> None:
+    def __init__(
+        self, decoupled: bool, max_concurrency: int, parse, run, respond, on_error=None
+    ) -> None:
         self.decoupled = decoupled
         self.parse, self.run, self.respond = parse, run, respond
+        self.on_error = on_error  # called with the error kind of every failed request
         self.workers = ThreadPoolExecutor(max_concurrency, "requests")
 
     def execute(self, requests):
@@ -551,7 +658,7 @@ class RequestRunner:
             try:
                 req = self.parse(request)
             except Exception as e:
-                sender.send(error_response(e), flags=FINAL)
+                sender.send(self._error_response(e), flags=FINAL)
                 continue
             self.workers.submit(self._run_streaming, req, sender)
         return None
@@ -560,7 +667,7 @@ class RequestRunner:
         try:
             return self.respond(self.run(self.parse(request), lambda reply: None, lambda: False))
         except Exception as e:
-            return error_response(e)
+            return self._error_response(e)
 
     def _run_streaming(self, req, sender) -> None:
         try:
@@ -571,9 +678,14 @@ class RequestRunner:
         except Exception as e:
             _log.warning("request %s failed: %s", req.request_id, e)
             try:
-                sender.send(error_response(e), flags=FINAL)
+                sender.send(self._error_response(e), flags=FINAL)
             except Exception:
                 _log.exception("request %s: could not report the failure", req.request_id)
+
+    def _error_response(self, exc: Exception):
+        if self.on_error is not None:
+            self.on_error(error_kind(exc))
+        return error_response(exc)
 
     def shutdown(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)

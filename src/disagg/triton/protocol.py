@@ -30,6 +30,7 @@ PAD_ID = "pad_id"
 EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
 RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
+IGNORE_EOS = "ignore_eos"  # BOOL: generate max_tokens tokens (vLLM's name; benchmarks use it)
 
 # router-only inputs: routing hints (all optional)
 MODEL = "model"  # public model name (the OpenAI `model`); routing rules may match on it
@@ -59,6 +60,7 @@ GENERATION_INPUTS = {
     EXCLUDE_INPUT_IN_OUTPUT: "bool",
     RETURN_NUM_INPUT_TOKENS: "bool",
     RETURN_NUM_OUTPUT_TOKENS: "bool",
+    IGNORE_EOS: "bool",
 }
 
 # ------------------------------------------------------------------ tokenizer -> orchestrator
@@ -70,7 +72,8 @@ SAMPLING = "sampling"  # BYTES [1]: JSON of SamplingParams (+ "seed" resolved)
 FIRST_TOKEN = "first_token"  # INT32 [1]
 RESOLVED_SEED = "resolved_seed"  # UINT64 [1]
 KV_PAYLOAD = "kv_payload"  # UINT8 [-1]: KVPayload.to_bytes()
-PREFILL_TIME_US = "prefill_time_us"  # INT64 [1]
+PREFILL_TIME_US = "prefill_time_us"  # INT64 [1]: compute only
+PREFILL_START_NS = "prefill_start_ns"  # INT64 [1]: wall clock when compute began (queue time)
 TOKEN_IDS = "token_ids"  # INT32 [-1]: new tokens of one decode response
 WORKER_PID = "worker_pid"  # INT32 [1]: the process that produced a response
 PREFILL_PID = "prefill_pid"  # INT32 [1]: orchestrator's final response (0: no prefill pool)

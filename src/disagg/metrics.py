@@ -1,0 +1,223 @@
+"""Every Prometheus metric disagg exports, defined once: name, kind, help, labels, buckets.
+
+The Triton models publish theirs on Triton's metrics port (`pb_utils.MetricFamily`, see
+triton/pb.py), the gateway on its own /metrics; the Grafana dashboard, the status view and
+the tests read these names from here. Labels come from small closed sets (model, pool,
+served_by, reasons, error kinds), never request ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+# Bucket upper bounds, in seconds or bytes. Wide: a 135M model on 2 cores and a 70B model on
+# GPUs both land inside.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2, 5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 300)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
+PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16)
+KV_BYTES_BUCKETS = tuple(float(1 << s) for s in range(16, 33, 2))  # 64 KiB .. 4 GiB
+KV_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+def _m(name, kind, help_, labels=(), buckets=()) -> Metric:
+    return Metric(name, kind, help_, tuple(labels), tuple(float(b) for b in buckets))
+
+
+# ------------------------------------------------------------------ orchestrator (Triton)
+TTFT = _m(
+    "disagg_ttft_seconds",
+    HISTOGRAM,
+    "Time to first token, orchestrator receipt to first token",
+    ("model", "served_by"),
+    TTFT_BUCKETS,
+)
+ITL = _m(
+    "disagg_itl_seconds",
+    HISTOGRAM,
+    "Inter-token latency: gap between a request's tokens after the first",
+    ("model", "served_by"),
+    ITL_BUCKETS,
+)
+E2E = _m(
+    "disagg_e2e_seconds",
+    HISTOGRAM,
+    "End-to-end latency of finished requests, receipt to last token",
+    ("model", "served_by"),
+    E2E_BUCKETS,
+)
+REQUESTS = _m(
+    "disagg_requests_total",
+    COUNTER,
+    "Finished requests by who prefilled them and why they ended",
+    ("model", "served_by", "finish_reason"),
+)
+ERRORS = _m(
+    "disagg_errors_total",
+    COUNTER,
+    "Failures by stage (request, prefill, decode) and kind",
+    ("model", "stage", "kind"),
+)
+QUEUE = _m(
+    "disagg_queue_seconds",
+    HISTOGRAM,
+    "Wait before prefill began: in the prefill pool's queue, or decode's waiting queue",
+    ("pool",),
+    QUEUE_BUCKETS,
+)
+PREFILL = _m(
+    "disagg_prefill_seconds",
+    HISTOGRAM,
+    "Prefill compute time, in the prefill pool or inside decode (co-located)",
+    ("pool",),
+    PREFILL_BUCKETS,
+)
+KV_BYTES = _m(
+    "disagg_kv_handoff_bytes",
+    HISTOGRAM,
+    "Size of the KV payload handed from prefill to decode",
+    ("model",),
+    KV_BYTES_BUCKETS,
+)
+KV_SECONDS = _m(
+    "disagg_kv_handoff_seconds",
+    HISTOGRAM,
+    "KV hand-off time: serialise, transfer, verify and import into decode",
+    ("model",),
+    KV_SECONDS_BUCKETS,
+)
+DECISIONS = _m(
+    "disagg_conditional_decisions_total",
+    COUNTER,
+    "Conditional mode: where each prompt was prefilled, and the cost model's reason",
+    ("model", "prefill", "reason"),
+)
+PREFILL_INFLIGHT = _m(
+    "disagg_prefill_queue_tokens",
+    GAUGE,
+    "Prompt tokens the orchestrator has sent to the prefill pool and not yet got back",
+    ("model",),
+)
+
+# ------------------------------------------------------------------ decode pool (Triton)
+DECODE_ACTIVE = _m(
+    "disagg_decode_active_sequences",
+    GAUGE,
+    "Sequences in the decode engine (running + waiting for a slot)",
+    ("model", "instance"),
+)
+DECODE_BATCH = _m(
+    "disagg_decode_batch_size",
+    GAUGE,
+    "Sequences in the last decode step's batch",
+    ("model", "instance"),
+)
+DECODE_WAITING = _m(
+    "disagg_decode_waiting_sequences",
+    GAUGE,
+    "Sequences waiting for a decode slot or KV budget",
+    ("model", "instance"),
+)
+DECODE_KV_BYTES = _m(
+    "disagg_decode_kv_bytes_in_use",
+    GAUGE,
+    "KV cache bytes reserved by running sequences",
+    ("model", "instance"),
+)
+DECODE_KV_CAPACITY = _m(
+    "disagg_decode_kv_bytes_capacity",
+    GAUGE,
+    "KV cache bytes the decode instance can reserve in all",
+    ("model", "instance"),
+)
+DECODE_STEPS = _m(
+    "disagg_decode_steps_total",
+    COUNTER,
+    "Decode steps run (each produces one token per running sequence)",
+    ("model", "instance"),
+)
+
+# ------------------------------------------------------------------ router (Triton)
+ROUTER_REQUESTS = _m(
+    "disagg_router_requests_total",
+    COUNTER,
+    "Requests served, by policy target and reason",
+    ("target", "reason"),
+)
+ROUTER_FALLBACKS = _m(
+    "disagg_router_fallbacks_total",
+    COUNTER,
+    "Requests whose planned external target could not serve them, by cause",
+    ("target", "cause"),
+)
+ROUTER_RETRIES = _m(
+    "disagg_router_retries_total",
+    COUNTER,
+    "Requests passed on to the next endpoint of a pool after one failed",
+    ("endpoint",),
+)
+ROUTER_ENDPOINT_ERRORS = _m(
+    "disagg_router_endpoint_errors_total",
+    COUNTER,
+    "Failed calls to external endpoints, by kind",
+    ("endpoint", "kind"),
+)
+
+# ------------------------------------------------------------------ gateway (its /metrics)
+GATEWAY_REQUESTS = _m(
+    "disagg_gateway_requests_total",
+    COUNTER,
+    "Gateway requests by API, model and HTTP status",
+    ("api", "model", "status"),
+)
+GATEWAY_TTFT = _m(
+    "disagg_gateway_ttft_seconds",
+    HISTOGRAM,
+    "Time to first token as the gateway's clients see it (streaming requests)",
+    ("model",),
+    TTFT_BUCKETS,
+)
+GATEWAY_E2E = _m(
+    "disagg_gateway_e2e_seconds",
+    HISTOGRAM,
+    "Gateway request latency, body read to last byte",
+    ("api", "model"),
+    E2E_BUCKETS,
+)
+GATEWAY_RETRIES = _m(
+    "disagg_gateway_retries_total",
+    COUNTER,
+    "Requests retried because Triton could not be reached",
+)
+GATEWAY_ERRORS = _m(
+    "disagg_gateway_errors_total",
+    COUNTER,
+    "Gateway error responses by kind (OpenAI error type / code)",
+    ("kind",),
+)
+GATEWAY_INFLIGHT = _m(
+    "disagg_gateway_inflight_requests",
+    GAUGE,
+    "Requests the gateway is serving now",
+)
+
+ALL = tuple(v for v in dict(globals()).values() if isinstance(v, Metric))
+
+
+def series_names(m: Metric) -> tuple[str, ...]:
+    """The names a metric's samples carry in the Prometheus text format."""
+    if m.kind == HISTOGRAM:
+        return (m.name + "_bucket", m.name + "_sum", m.name + "_count")
+    return (m.name,)

@@ -1,0 +1,153 @@
+"""The conditional serving mode's cost model: prefill this prompt in the prefill pool, or let
+the decode pool prefill it itself? No Triton here.
+
+Both choices cost the same prefill compute; they differ in who waits for it:
+
+    local  (decode prefills):  the request waits for its prefill, and so does every sequence
+                               decoding in that engine: its step loop stops for the prefill.
+        local_cost  = P + A * P
+    remote (prefill pool):     the request waits for the prefill pool's queue, its prefill and
+                               the KV hand-off; decoding sequences go on, slowed only as far as
+                               the prefill pool shares their hardware (`remote_stall`: 0 on
+                               separate GPUs, ~0.5 when both pools share a CPU's cores).
+        remote_cost = Q + P + H + A * P * remote_stall
+
+    P = prompt tokens x prefill seconds per token     (learned from the prefill pool's reports)
+    A = sequences this orchestrator has in decode now
+    Q = prompt tokens queued at the prefill pool x seconds per token / prefill instances
+    H = hand-off fixed cost + prompt tokens x hand-off seconds per token   (per token: learned)
+
+The cheaper side wins; ties go local (no hand-off to fail). Each decision names its reason:
+  decode_idle     local: nothing is decoding, so a local prefill delays nobody
+  prefill_queue   local: the prefill pool's queue costs more than stalling decode
+  short_prompt    local: the hand-off costs more than the short stall
+  protect_decode  remote: stalling the running sequences would cost more
+
+Costs are in seconds of added waiting summed over the requests affected: one second of a new
+request's TTFT weighs as much as one second of stall for each running sequence.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+DECODE_IDLE = "decode_idle"
+PREFILL_QUEUE = "prefill_queue"
+SHORT_PROMPT = "short_prompt"
+PROTECT_DECODE = "protect_decode"
+REASONS = (DECODE_IDLE, PREFILL_QUEUE, SHORT_PROMPT, PROTECT_DECODE)
+
+
+@dataclass(frozen=True)
+class CostParams:
+    prefill_s_per_token: float = 1.5e-3  # first guess (SmolLM2-135M on 2 CPU cores); learned
+    handoff_fixed_s: float = 0.005  # serialise + BLS round trip of an empty payload (fixed)
+    handoff_s_per_token: float = 2e-5  # ~46 KB of fp32 K/V per token; learned
+    remote_stall: float = 0.5  # fraction of a remote prefill that still slows decode
+    prefill_instances: int = 1
+    learn_rate: float = 0.2  # weight of a new observation in the running estimates
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the orchestrator knows of its pools when a request arrives."""
+
+    prefill_queue_tokens: int  # prompt tokens sent to the prefill pool and not yet back
+    decode_active: int  # sequences this orchestrator has in the decode pool
+
+
+@dataclass(frozen=True)
+class Decision:
+    remote: bool  # True: the prefill pool prefills; False: decode does
+    reason: str  # one of REASONS
+    local_cost_s: float
+    remote_cost_s: float
+    prefill_s: float  # P
+    queue_s: float  # Q
+    handoff_s: float  # H
+
+    def explain(self) -> str:
+        side = "remote" if self.remote else "local"
+        return (
+            f"{side} ({self.reason}): local {self.local_cost_s * 1e3:.1f} ms vs remote "
+            f"{self.remote_cost_s * 1e3:.1f} ms [prefill {self.prefill_s * 1e3:.1f}, "
+            f"queue {self.queue_s * 1e3:.1f}, hand-off {self.handoff_s * 1e3:.1f} ms]"
+        )
+
+
+class CostModel:
+    """Thread-safe: the orchestrator decides and observes from many request threads."""
+
+    def __init__(self, params: CostParams | None = None) -> None:
+        self.params = p = params or CostParams()
+        if p.prefill_instances < 1 or not 0.0 <= p.remote_stall <= 1.0:
+            raise ValueError("need prefill_instances >= 1 and 0 <= remote_stall <= 1")
+        self.prefill_s_per_token = p.prefill_s_per_token
+        self.handoff_fixed_s = p.handoff_fixed_s
+        self.handoff_s_per_token = p.handoff_s_per_token
+        self._lock = threading.Lock()
+
+    def decide(self, num_prompt_tokens: int, load: Load) -> Decision:
+        p = self.params
+        with self._lock:
+            spt = self.prefill_s_per_token
+            handoff = self.handoff_fixed_s + num_prompt_tokens * self.handoff_s_per_token
+        prefill = num_prompt_tokens * spt
+        queue = load.prefill_queue_tokens * spt / p.prefill_instances
+        local = prefill + load.decode_active * prefill
+        remote = queue + prefill + handoff + load.decode_active * prefill * p.remote_stall
+        if remote < local:
+            reason = PROTECT_DECODE
+        elif load.decode_active == 0:
+            reason = DECODE_IDLE
+        elif queue > handoff:
+            reason = PREFILL_QUEUE
+        else:
+            reason = SHORT_PROMPT
+        return Decision(remote < local, reason, local, remote, prefill, queue, handoff)
+
+    def observe_prefill(self, num_tokens: int, compute_s: float) -> None:
+        """A prefill the pool reported: its compute time for `num_tokens` prompt tokens."""
+        if num_tokens > 0 and compute_s > 0:
+            with self._lock:
+                self.prefill_s_per_token = self._mix(
+                    self.prefill_s_per_token, compute_s / num_tokens
+                )
+
+    def observe_handoff(self, num_tokens: int, seconds: float) -> None:
+        """A hand-off's measured time: the part over the fixed cost is charged per token."""
+        if num_tokens > 0 and seconds > 0:
+            with self._lock:
+                per_token = max(seconds - self.handoff_fixed_s, 0.0) / num_tokens
+                self.handoff_s_per_token = self._mix(self.handoff_s_per_token, per_token)
+
+    def _mix(self, old: float, new: float) -> float:
+        return (1 - self.params.learn_rate) * old + self.params.learn_rate * new
+
+
+class LoadTracker:
+    """The orchestrator's own count of work it has in the pools (one orchestrator instance
+    sees all the traffic by default; with several, each sees its share). `on_change` gets
+    each new Load (a metrics gauge)."""
+
+    def __init__(self, on_change=None) -> None:
+        self._lock = threading.Lock()
+        self.prefill_queue_tokens = 0
+        self.decode_active = 0
+        self.on_change = on_change
+
+    def snapshot(self) -> Load:
+        with self._lock:
+            return Load(self.prefill_queue_tokens, self.decode_active)
+
+    def add_prefill(self, num_tokens: int) -> None:
+        with self._lock:
+            self.prefill_queue_tokens += num_tokens
+            load = Load(self.prefill_queue_tokens, self.decode_active)
+        if self.on_change is not None:
+            self.on_change(load)
+
+    def add_decode(self, n: int) -> None:
+        with self._lock:
+            self.decode_active += n
