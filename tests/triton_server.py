@@ -35,10 +35,17 @@ def start_server(engine_dir, build_dir, **overrides):
 def metric(server, name: str, **labels) -> float:
     """The sum of a Prometheus metric's series on the server's metrics port, optionally only
     those with the given label values."""
-    text = urllib.request.urlopen(server.endpoints.metrics, timeout=10).read().decode()
+    return scrape(server.endpoints.metrics, name, **labels)
+
+
+def scrape(url: str, name: str, **labels) -> float:
+    """The sum of the series of `name` (exact sample name) at a Prometheus endpoint whose
+    labels include `labels`."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
     want = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(name + "{") and all(w in line for w in want)
+        if (line.startswith(name + "{") or line.startswith(name + " "))
+        and all(w in line for w in want)
     )

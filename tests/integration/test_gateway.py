@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import openai
 import pytest
-from triton_server import metric, start_server
+from triton_server import metric, scrape, start_server
 
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import free_ports
@@ -277,3 +277,31 @@ def test_per_key_request_limit_answers_429_with_retry_after(stack):
         assert other.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
     finally:
         limited.stop()
+
+
+def test_gateway_metrics_count_requests_ttft_and_errors(gateway, client):
+    url = gateway.url + "/metrics"
+    ok = {"api": "chat", "model": MODEL, "status": "200"}
+    before = {
+        "ok": scrape(url, "disagg_gateway_requests_total", **ok),
+        "ttft": scrape(url, "disagg_gateway_ttft_seconds_count", model=MODEL),
+        "e2e": scrape(url, "disagg_gateway_e2e_seconds_count", api="chat", model=MODEL),
+        "bad": scrape(url, "disagg_gateway_errors_total", kind="unsupported_parameter"),
+    }
+    full = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=12, extra_body={"ignore_eos": True}
+    )
+    assert full.usage.completion_tokens == 12  # ignore_eos: exactly max_tokens
+    list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+    assert scrape(url, "disagg_gateway_requests_total", **ok) == before["ok"] + 2
+    assert scrape(url, "disagg_gateway_ttft_seconds_count", model=MODEL) == before["ttft"] + 1
+    assert scrape(url, "disagg_gateway_e2e_seconds_count", api="chat", model=MODEL) == (
+        before["e2e"] + 2
+    )
+    assert scrape(url, "disagg_gateway_errors_total", kind="unsupported_parameter") == (
+        before["bad"] + 1
+    )
+    assert scrape(url, "disagg_gateway_requests_total", api="chat", status="400") >= 1
+    assert scrape(url, "disagg_gateway_inflight_requests") == 0

@@ -261,9 +261,12 @@ def test_the_next_endpoint_of_the_pool_is_tried_before_falling_back(monkeypatch,
     with FakeOpenAI(KEY) as bad, FakeOpenAI(KEY) as good:
         bad.push(("status", 502, {}, "bad gateway"))
         router, local = make_router(tmp_path, {"bad": bad, "good": good})
+        retried = []
+        router.events.retry = retried.append
         final, _ = serve(router, request(stream=False))
     assert (final.target, final.served_by, final.reason) == ("lpu", "good", "interactive")
     assert local.calls == []
+    assert retried == ["good"]  # counted as disagg_router_retries_total{endpoint="good"}
 
 
 def test_open_circuit_and_spent_budget_skip_the_endpoint_without_calling_it(fake, tmp_path):

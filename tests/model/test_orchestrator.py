@@ -11,12 +11,14 @@ from disagg.errors import RequestError
 from disagg.sequence import SamplingParams
 from disagg.triton.orchestrator import (
     COLOCATED,
+    CONDITIONAL,
     DISAGGREGATED,
     FALLBACK,
     DecodeStep,
     GenerateRequest,
     Handoff,
     Orchestrator,
+    OrchestratorEvents,
     PoolError,
     build_request,
 )
@@ -182,3 +184,63 @@ def test_build_request_maps_trtllm_fields(tokenizer):
     assert p.bad_words_ids == (tuple(tokenizer.encode("bad")),) and req.stream
     default = build_request({"input_ids": [1]}, tokenizer, max_tokens_default=128)
     assert default.params.max_tokens == 128 and not default.stream
+
+
+class Recorder(OrchestratorEvents):
+    """Records the metric hooks the orchestrator calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def first_token(self, served_by, ttft_s):
+        self.calls.append(("first_token", served_by))
+
+    def token_gap(self, served_by, itl_s, num_tokens):
+        self.calls.extend([("token_gap", served_by)] * num_tokens)
+
+    def finished(self, served_by, finish_reason, e2e_s):
+        self.calls.append(("finished", served_by, finish_reason))
+
+    def kv_handoff(self, num_bytes, seconds):
+        self.calls.append(("kv_handoff", num_bytes))
+
+    def decision(self, remote, reason):
+        self.calls.append(("decision", remote, reason))
+
+    def names(self, name):
+        return [c for c in self.calls if c[0] == name]
+
+
+def test_conditional_mode_follows_its_cost_model(tokenizer, args):
+    events = Recorder()
+    prefill, decode = ScriptedPrefill(5), ScriptedDecode([6, 7, 8])
+    o = Orchestrator(
+        tokenizer, args, EngineConfig(max_model_len=2048), prefill, decode, CONDITIONAL, events
+    )
+    short = request(tokenizer, "Hi")
+    o.run(short, lambda r: None)  # nothing decoding: decode prefills it
+    assert prefill.calls == [] and decode.calls[-1][1] == short.prompt_ids
+    assert events.names("decision") == [("decision", False, "decode_idle")]
+    o.load.add_decode(4)  # four sequences decoding: a long prompt would stall them
+    long = request(tokenizer, "word " * 600)
+    final = o.run(long, lambda r: None)
+    assert final.served_by == DISAGGREGATED and prefill.calls == [long.prompt_ids]
+    assert events.names("decision")[-1] == ("decision", True, "protect_decode")
+    assert events.names("kv_handoff") == [("kv_handoff", 16)]
+
+
+def test_every_token_is_timed_once(tokenizer, args):
+    events = Recorder()
+    o = Orchestrator(
+        tokenizer,
+        args,
+        EngineConfig(max_model_len=2048),
+        ScriptedPrefill(5),
+        ScriptedDecode([6, 7, 8, 9]),
+        events=events,
+    )
+    final = o.run(request(tokenizer), lambda r: None)
+    assert final.num_output_tokens == 5
+    assert events.names("first_token") == [("first_token", DISAGGREGATED)]
+    assert len(events.names("token_gap")) == 4  # every token after the first
+    assert events.names("finished") == [("finished", DISAGGREGATED, "length")]

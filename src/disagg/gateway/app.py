@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from disagg.gateway import openai_api as oa
 from disagg.gateway.auth import KeyStore, RateLimiter
 from disagg.gateway.backend import Piece, TritonBackend
 from disagg.gateway.errors import APIError, bad_request
+from disagg.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from disagg.gateway.registry import Registry
 
 log = logging.getLogger("disagg.gateway")
@@ -79,6 +81,8 @@ async def read_json(request: Request, limit: int) -> object:
 class Gateway:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
+        self.metrics = GatewayMetrics()
+        cfg.backend.on_retry = self.metrics.retries.inc
 
     # -------------------------------------------------------------- auth
 
@@ -148,7 +152,24 @@ class Gateway:
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
 
+    async def metrics_page(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
     async def _generate(self, request: Request, kind: str) -> Response:
+        """Serve one request and count it: here when answered whole, at the end of the
+        stream otherwise."""
+        m, start = self.metrics, time.perf_counter()
+        labels = {"api": kind, "model": "unknown"}
+        m.inflight.inc()
+        response = await self._serve(request, kind, labels, start)
+        if not isinstance(response, StreamingResponse):
+            m.inflight.dec()
+            m.finished(
+                labels["api"], labels["model"], response.status_code, time.perf_counter() - start
+            )
+        return response
+
+    async def _serve(self, request: Request, kind: str, labels: dict, start: float) -> Response:
         rid = request_id(request)
         headers = {REQUEST_ID_HEADER: rid}
         try:
@@ -156,6 +177,7 @@ class Gateway:
             self.admit(key)
             req = oa.parse_request(await read_json(request, self.cfg.max_body_bytes), kind)
             model, version = self.cfg.registry.resolve(req.model)
+            labels["model"] = model.name
             req.inputs["model"] = model.name  # routing rules may match on it
             headers[VERSION_HEADER] = version.name
             pieces = self.cfg.backend.generate(
@@ -168,13 +190,15 @@ class Gateway:
             fingerprint = f"disagg-{model.name}-{version.name}"
             if req.stream:
                 first = await pieces.__anext__()  # errors before any output are HTTP errors
-                body = self._stream(req, rid, fingerprint, first, pieces, key)
+                body = self._stream(req, rid, fingerprint, first, pieces, key, labels, start)
                 return StreamingResponse(body, media_type="text/event-stream", headers=headers)
             return await self._complete(request, req, rid, fingerprint, pieces, key, headers)
         except APIError as e:
             log.info("request %s: %d %s", rid, e.status, e.message)
+            self.metrics.error(e.code or e.type)
             return e.response(headers)
         except StopAsyncIteration:
+            self.metrics.error("server_error")
             return APIError(502, "the model ended without a response", "server_error").response(
                 headers
             )
@@ -216,9 +240,10 @@ class Gateway:
         return JSONResponse(body, headers=headers)
 
     async def _stream(
-        self, req, rid, fingerprint, first: Piece, pieces, key
+        self, req, rid, fingerprint, first: Piece, pieces, key, labels, start
     ) -> AsyncIterator[bytes]:
         n_in = n_out = 0
+        status, first_text = 200, True
         try:
             if req.kind == "chat":
                 yield oa.sse(oa.chunk(req, rid, fingerprint, role=True))
@@ -229,10 +254,17 @@ class Gateway:
                     err = APIError(
                         502, piece.extra.get("error") or "the model failed", "server_error"
                     )
+                    status = err.status
+                    self.metrics.error(err.type)
                     yield oa.sse(err.body())
                     break
                 if piece.text:
                     yield oa.sse(oa.chunk(req, rid, fingerprint, text=piece.text))
+                    if first_text:
+                        self.metrics.ttft.labels(labels["model"]).observe(
+                            time.perf_counter() - start
+                        )
+                        first_text = False
                 if piece.finish_reason is not None:
                     yield oa.sse(oa.chunk(req, rid, fingerprint, finish=piece.finish_reason))
                     if req.include_usage:
@@ -241,10 +273,16 @@ class Gateway:
                 piece = await anext(pieces, None)
             yield oa.sse("[DONE]")
         except APIError as e:
+            status = e.status
+            self.metrics.error(e.code or e.type)
             yield oa.sse(e.body())
         finally:
             await pieces.aclose()  # a client that went away cancels its request in Triton
             self.cfg.limiter.charge(key, n_in + n_out)
+            self.metrics.inflight.dec()
+            self.metrics.finished(
+                labels["api"], labels["model"], status, time.perf_counter() - start
+            )
 
     # -------------------------------------------------------------- admin
 
@@ -298,6 +336,7 @@ def create_app(cfg: GatewayConfig) -> Starlette:
     return Starlette(
         routes=[
             Route("/health", g.health),
+            Route("/metrics", g.metrics_page),
             Route("/ready", g.ready),
             Route("/v1/models", g.models),
             Route("/v1/models/{model:path}", g.model),

@@ -82,6 +82,7 @@ class TritonBackend:
         self.url = url
         self.timeout_s = timeout_s
         self._client: grpcaio.InferenceServerClient | None = None
+        self.on_retry = lambda: None  # metrics: a request tried again (Triton unreachable)
 
     @property
     def client(self) -> grpcaio.InferenceServerClient:
@@ -117,6 +118,7 @@ class TritonBackend:
             except APIError as e:
                 if e.code != "unavailable" or asyncio.get_running_loop().time() > deadline:
                     raise
+                self.on_retry()
                 await asyncio.sleep(0.25)
                 continue
             except StopAsyncIteration:

@@ -1,0 +1,131 @@
+"""Metrics move as the requests they count, on a real tritonserver in the conditional mode
+(which serves both ways: decode prefills when it is idle, the prefill pool when it is busy)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from triton_server import metric, start_server
+
+from disagg.client import GenerateError, HttpClient
+from disagg.config import load_model_args
+
+pytestmark = pytest.mark.integration
+
+HISTOGRAMS = ("disagg_ttft_seconds", "disagg_e2e_seconds", "disagg_itl_seconds")
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir, tmp_path_factory):
+    srv = start_server(engine_dir, tmp_path_factory.mktemp("metrics"), mode="conditional")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    return HttpClient(server.endpoints.http, timeout_s=120)
+
+
+def snapshot(server, names: dict[str, dict]) -> dict[str, float]:
+    return {
+        key: metric(server, spec["name"], **spec.get("labels", {})) for key, spec in names.items()
+    }
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def run(http, prompt_ids: list[int], max_tokens: int) -> dict:
+    r = http.generate(
+        "orchestrator", {"input_ids": prompt_ids, "max_tokens": max_tokens, "ignore_eos": True}
+    )
+    assert r.finish_reason == "length"
+    return r.extra
+
+
+def test_idle_decode_prefills_locally_and_every_histogram_counts_each_request(server, http):
+    local = {"served_by": "colocated"}
+    names = {
+        "ttft": {"name": "disagg_ttft_seconds_count", "labels": local},
+        "e2e": {"name": "disagg_e2e_seconds_count", "labels": local},
+        "itl": {"name": "disagg_itl_seconds_count", "labels": local},
+        "done": {"name": "disagg_requests_total", "labels": {**local, "finish_reason": "length"}},
+        "idle": {
+            "name": "disagg_conditional_decisions_total",
+            "labels": {"prefill": "local", "reason": "decode_idle"},
+        },
+        "queue": {"name": "disagg_queue_seconds_count", "labels": {"pool": "decode"}},
+        "prefill": {"name": "disagg_prefill_seconds_count", "labels": {"pool": "decode"}},
+        "kv": {"name": "disagg_kv_handoff_bytes_count"},
+    }
+    before = snapshot(server, names)
+    lengths = [3, 7, 5]
+    for n in lengths:
+        assert run(http, [1, 2, 3, 4, 5], n)["served_by"] == "colocated"
+    after = snapshot(server, names)
+    delta = {k: after[k] - before[k] for k in names}
+    assert delta["ttft"] == delta["e2e"] == delta["done"] == delta["idle"] == len(lengths)
+    assert delta["itl"] == sum(n - 1 for n in lengths)  # every token after the first
+    assert delta["queue"] == delta["prefill"] == len(lengths)
+    assert delta["kv"] == 0  # nothing was handed off
+    # the histogram's sum is in seconds and plausible: TTFT under e2e
+    assert 0 < metric(server, "disagg_ttft_seconds_sum") < metric(server, "disagg_e2e_seconds_sum")
+
+
+def test_busy_decode_sends_a_long_prompt_to_the_prefill_pool_and_counts_its_kv(
+    server, http, engine_dir
+):
+    names = {
+        "kv_n": {"name": "disagg_kv_handoff_bytes_count"},
+        "kv_bytes": {"name": "disagg_kv_handoff_bytes_sum"},
+        "kv_s": {"name": "disagg_kv_handoff_seconds_count"},
+        "remote": {
+            "name": "disagg_conditional_decisions_total",
+            "labels": {"prefill": "remote", "reason": "protect_decode"},
+        },
+        "prefill": {"name": "disagg_prefill_seconds_count", "labels": {"pool": "prefill"}},
+        "queue": {"name": "disagg_queue_seconds_count", "labels": {"pool": "prefill"}},
+        "ttft": {"name": "disagg_ttft_seconds_count", "labels": {"served_by": "disaggregated"}},
+    }
+    before = snapshot(server, names)
+    background = threading.Thread(target=run, args=(http, [1, 2, 3], 120))
+    background.start()
+    wait_for(lambda: metric(server, "disagg_decode_batch_size") >= 1)
+    assert metric(server, "disagg_decode_kv_bytes_in_use") > 0
+    long_prompt = [100 + (i * 37) % 5000 for i in range(700)]
+    replies = [run(http, long_prompt, 3) for _ in range(2)]
+    background.join()
+    after = snapshot(server, names)
+    delta = {k: after[k] - before[k] for k in names}
+    assert [r["served_by"] for r in replies] == ["disaggregated"] * 2
+    assert delta["remote"] == delta["kv_n"] == delta["kv_s"] == 2
+    assert delta["prefill"] == delta["queue"] == delta["ttft"] == 2
+    assert delta["kv_bytes"] == sum(r["kv_bytes"] for r in replies)
+    per_token = load_model_args(engine_dir).kv_bytes_per_token
+    assert 700 * per_token <= replies[0]["kv_bytes"] < 700 * per_token + 4096  # K/V + header
+    # everything finished: the gauges come back down
+    wait_for(lambda: metric(server, "disagg_decode_active_sequences") == 0)
+    assert metric(server, "disagg_decode_kv_bytes_in_use") == 0
+    assert metric(server, "disagg_prefill_queue_tokens") == 0
+
+
+def test_refused_requests_are_counted_by_kind(server, http):
+    labels = {"stage": "request", "kind": "invalid_request"}
+    before = metric(server, "disagg_errors_total", **labels)
+    with pytest.raises(GenerateError, match="max_tokens"):
+        http.generate("orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 100_000})
+    assert metric(server, "disagg_errors_total", **labels) == before + 1
+
+
+def test_decode_steps_counter_follows_tokens(server, http):
+    before = metric(server, "disagg_decode_steps_total")
+    run(http, [1, 2, 3], 6)
+    # alone in decode, prefilled there: the step that prefills also decodes the second token
+    assert metric(server, "disagg_decode_steps_total") - before == 6 - 1

@@ -1,0 +1,118 @@
+"""The conditional mode's cost model on crafted cases: each decision follows the documented
+formula, names the documented reason, and learns from what the pools report."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.triton.conditional import (
+    DECODE_IDLE,
+    PREFILL_QUEUE,
+    PROTECT_DECODE,
+    SHORT_PROMPT,
+    CostModel,
+    CostParams,
+    Load,
+    LoadTracker,
+)
+
+pytestmark = pytest.mark.unit
+
+# round numbers: 1 ms per prompt token, 10 ms fixed hand-off, 10 us per token hand-off
+PARAMS = CostParams(
+    prefill_s_per_token=1e-3, handoff_fixed_s=0.010, handoff_s_per_token=1e-5, remote_stall=0.5
+)
+
+
+def decide(tokens: int, queue_tokens: int = 0, active: int = 0, **params):
+    model = CostModel(CostParams(**{**PARAMS.__dict__, **params}))
+    return model.decide(tokens, Load(queue_tokens, active))
+
+
+def test_idle_decode_always_prefills_locally():
+    d = decide(2000, active=0)
+    assert (d.remote, d.reason) == (False, DECODE_IDLE)
+    # local = P = 2 s; remote = P + H = 2 s + 10 ms + 20 ms
+    assert d.local_cost_s == pytest.approx(2.0)
+    assert d.remote_cost_s == pytest.approx(2.0 + 0.010 + 0.020)
+
+
+def test_long_prompt_with_running_sequences_goes_remote():
+    d = decide(1000, active=4)
+    # local = P (1 + 4) = 5 s; remote = 1 + 0.02 + 4 * 1 * 0.5 = 3.02 s
+    assert (d.remote, d.reason) == (True, PROTECT_DECODE)
+    assert d.local_cost_s == pytest.approx(5.0)
+    assert d.remote_cost_s == pytest.approx(3.02)
+    assert "remote (protect_decode)" in d.explain()
+
+
+def test_short_prompt_stays_local_because_the_hand_off_costs_more_than_the_stall():
+    d = decide(8, active=1)
+    # local = 8 ms * 2 = 16 ms; remote = 8 + 10.08 + 4 = 22.08 ms
+    assert (d.remote, d.reason) == (False, SHORT_PROMPT)
+    assert d.local_cost_s == pytest.approx(0.016)
+    assert d.remote_cost_s == pytest.approx(0.02208)
+
+
+def test_a_deep_prefill_queue_keeps_even_a_long_prompt_local():
+    d = decide(500, queue_tokens=4000, active=2)
+    # local = 0.5 * 3 = 1.5 s; remote = 4 + 0.5 + 0.015 + 0.5 = 5.015 s
+    assert (d.remote, d.reason) == (False, PREFILL_QUEUE)
+    assert d.queue_s == pytest.approx(4.0)
+
+
+def test_more_prefill_instances_drain_the_queue_faster():
+    assert decide(500, queue_tokens=4000, active=2).remote is False
+    # 8 instances: queue 0.5 s, remote 1.515 s vs local 1.5 s; 16: queue 0.25 s, remote 1.265 s
+    assert decide(500, queue_tokens=4000, active=2, prefill_instances=8).remote is False
+    assert decide(500, queue_tokens=4000, active=2, prefill_instances=16).remote is True
+
+
+def test_separate_hardware_makes_remote_cheaper_sooner():
+    # with a 32-token prompt and one running sequence: local 64 ms
+    shared = decide(32, active=1, remote_stall=1.0)  # remote 32 + 10.3 + 32 ms: local wins
+    separate = decide(32, active=1, remote_stall=0.0)  # remote 32 + 10.3 ms: remote wins
+    assert (shared.remote, separate.remote) == (False, True)
+
+
+def test_the_crossover_prompt_length_matches_the_formula():
+    # with A running sequences, remote wins once P * A * (1 - stall) > H
+    # A = 1, stall 0.5: 0.5 ms/token * L > 10 ms + 0.01 ms * L  ->  L > 20.4
+    assert decide(20, active=1).remote is False
+    assert decide(21, active=1).remote is True
+
+
+def test_ties_go_local():
+    model = CostModel(
+        CostParams(prefill_s_per_token=0.0, handoff_fixed_s=0.0, handoff_s_per_token=0.0)
+    )
+    assert model.decide(100, Load(0, 3)).remote is False
+
+
+def test_it_learns_prefill_and_hand_off_speed_from_reports():
+    model = CostModel(
+        CostParams(prefill_s_per_token=1e-3, handoff_s_per_token=1e-5, learn_rate=0.5)
+    )
+    model.observe_prefill(1000, 3.0)  # the pool reports 3 ms per token
+    assert model.prefill_s_per_token == pytest.approx(2e-3)  # halfway there
+    model.observe_handoff(1000, 0.005 + 0.05)  # 50 us per token over the fixed 5 ms
+    assert model.handoff_s_per_token == pytest.approx((1e-5 + 5e-5) / 2)
+    model.observe_prefill(0, 1.0)  # nothing to learn from an empty prompt
+    assert model.prefill_s_per_token == pytest.approx(2e-3)
+
+
+def test_invalid_parameters_are_refused():
+    with pytest.raises(ValueError):
+        CostModel(CostParams(remote_stall=1.5))
+    with pytest.raises(ValueError):
+        CostModel(CostParams(prefill_instances=0))
+
+
+def test_load_tracker_reports_changes():
+    seen = []
+    tracker = LoadTracker(on_change=seen.append)
+    tracker.add_prefill(100)
+    tracker.add_decode(2)
+    tracker.add_prefill(-100)
+    assert tracker.snapshot() == Load(0, 2)
+    assert [load.prefill_queue_tokens for load in seen] == [100, 0]
