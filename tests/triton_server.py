@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 from disagg.serve.server import free_ports
@@ -49,3 +50,27 @@ def scrape(url: str, name: str, **labels) -> float:
         if (line.startswith(name + "{") or line.startswith(name + " "))
         and all(w in line for w in want)
     )
+
+
+def eventually(check, timeout_s: float = 5.0) -> None:
+    """Metric updates land a moment after the response (the models apply them on a thread
+    of their own): retry the assertions in `check` until they hold or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            check()
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def metric_becomes(server, name: str, value: float, timeout_s: float = 5.0, **labels) -> None:
+    """Assert that a metric reaches `value` within the timeout."""
+
+    def check():
+        got = metric(server, name, **labels)
+        assert got == value, f"{name}{labels} = {got}, expected {value}"
+
+    eventually(check, timeout_s)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import openai
 import pytest
-from triton_server import metric, scrape, start_server
+from triton_server import metric, metric_becomes, scrape, start_server
 
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import free_ports
@@ -250,7 +250,7 @@ def test_a_client_disconnect_frees_the_decode_slot(client, stack):
     )
     for _, _ in zip(range(6), stream, strict=False):
         pass
-    assert metric(server, "disagg_decode_active_sequences") == 1.0
+    metric_becomes(server, "disagg_decode_active_sequences", 1.0)
     stream.close()
     deadline = time.monotonic() + 10  # 400 tokens would take far longer
     while metric(server, "disagg_decode_active_sequences") != 0.0:

@@ -486,6 +486,40 @@ def _family_kind(kind: str):
     return getattr(pb_utils.MetricFamily, kind.upper())
 
 
+class _MetricsThread:
+    """Applies every metric update of this model process on one thread, in order.
+
+    Each update is a synchronous message from the stub to the server. Made from many request
+    threads at once (one histogram observation per token), they crashed Triton 2.51's Python
+    backend (SIGSEGV in libtriton_python.so under 8 concurrent streams); one thread also keeps
+    that round trip off the request path. Updates land a moment after they are made."""
+
+    def __init__(self) -> None:
+        self.updates: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="metrics", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            family, labels, op, value = self.updates.get()
+            try:
+                getattr(family.series_for(labels), op)(value)
+            except Exception:  # metrics must never take the model down
+                _log.exception("metric %s: %s failed", family.spec.name, op)
+
+
+_metrics_thread: _MetricsThread | None = None
+_metrics_lock = threading.Lock()
+
+
+def _submit(family, labels: dict, op: str, value: float) -> None:
+    global _metrics_thread
+    if _metrics_thread is None:
+        with _metrics_lock:
+            if _metrics_thread is None:
+                _metrics_thread = _MetricsThread()
+    _metrics_thread.updates.put((family, labels, op, value))
+
+
 class Family:
     """One metric of disagg.metrics on Triton's metrics port. Label sets are created on first
     use (their values come from small closed sets); `fixed` labels go on every series."""
@@ -494,27 +528,25 @@ class Family:
         self.spec = metric
         self.fixed = fixed
         self.family = pb_utils.MetricFamily(metric.name, metric.help, _family_kind(metric.kind))
-        self.series: dict[tuple, object] = {}
-        self.lock = threading.Lock()
+        self.series: dict[tuple, object] = {}  # touched by the metrics thread only
 
-    def _get(self, labels: dict[str, str]):
-        labels = {**self.fixed, **labels}
+    def series_for(self, labels: dict[str, str]):
         key = tuple(sorted(labels.items()))
-        with self.lock:
-            series = self.series.get(key)
-            if series is None:
-                extra = {"buckets": list(self.spec.buckets)} if self.spec.buckets else {}
-                series = self.series[key] = self.family.Metric(labels=labels, **extra)
+        series = self.series.get(key)
+        if series is None:
+            extra = {"buckets": list(self.spec.buckets)} if self.spec.buckets else {}
+            series = self.series[key] = self.family.Metric(labels=labels, **extra)
         return series
 
     def inc(self, value: float = 1.0, **labels: str) -> None:
-        self._get(labels).increment(value)
+        if value:
+            _submit(self, {**self.fixed, **labels}, "increment", value)
 
     def set(self, value: float, **labels: str) -> None:
-        self._get(labels).set(value)
+        _submit(self, {**self.fixed, **labels}, "set", value)
 
     def observe(self, value: float, **labels: str) -> None:
-        self._get(labels).observe(value)
+        _submit(self, {**self.fixed, **labels}, "observe", value)
 
 
 class RouterMetrics:

@@ -1,0 +1,1 @@
+"""Benchmark harness: seeded workloads, open-loop rate sweeps and goodput reports."""

@@ -1,0 +1,204 @@
+"""Command line of the benchmark harness (client/benchmark.py).
+
+run      one workload's rate sweep against a running server (Triton gRPC or the gateway)
+compare  co-located vs disaggregated vs conditional: for each workload, a server per mode
+         (same settings, same cores), the same seeded requests; writes results, plots and
+         the docs/benchmarks.md section
+report   the tables and plots again from saved results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from disagg.bench import report as R
+from disagg.bench import workloads as W
+from disagg.bench.sweep import SweepConfig, run_sweep
+
+MODES = ("colocated", "disaggregated", "conditional")
+# offered rates per workload for SmolLM2-135M on 2 CPU cores: from well under capacity to past it
+DEFAULT_RATES = {
+    "chat": (0.25, 0.5, 1.0),
+    "interference": (0.25, 0.5, 1.0),
+    "prefill-heavy": (0.15, 0.3, 0.6),
+    "decode-heavy": (0.25, 0.5, 1.0),
+    "mixed": (0.25, 0.5, 1.0),
+}
+DOC_BEGIN = "<!-- serving-modes:begin (written by client/benchmark.py compare) -->"
+DOC_END = "<!-- serving-modes:end -->"
+
+
+def _rates(text: str | None, workload: str) -> tuple[float, ...]:
+    if not text:
+        return DEFAULT_RATES[workload]
+    return tuple(float(r) for r in text.split(","))
+
+
+def _prompts(engine_dir: str, seed: int) -> W.PromptMaker:
+    from disagg.tokenizer import Tokenizer
+
+    return W.PromptMaker(Tokenizer(engine_dir), seed)
+
+
+def _target_factory(args):
+    from disagg.bench.runner import GatewayTarget, TritonTarget
+
+    if args.target == "gateway":
+        key = os.environ.get("DISAGG_API_KEY", "")
+        return lambda: GatewayTarget(args.url, args.model, key)
+    return lambda: TritonTarget(args.url, args.model)
+
+
+def cmd_run(args) -> int:
+    cfg = SweepConfig(
+        args.workload, _rates(args.rates, args.workload), args.num_requests, args.warmup,
+        seed=args.seed,
+    )  # fmt: skip
+    label = args.label or args.target
+    sweep = run_sweep(_target_factory(args), cfg, _prompts(args.engine_dir, args.seed), label)
+    sweep["command"] = _command()
+    out = Path(args.out or f"results/bench-{args.workload}-{label}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(sweep))
+    slo = R.slos([sweep], args.ttft_factor, args.tpot_factor)
+    results = {label: R.summarize_sweep(sweep, slo)}
+    print(R.markdown_table(args.workload, results, slo))
+    R.plot_workload(args.workload, {label: sweep}, results, slo, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from disagg.serve.server import TritonServer, free_ports
+    from disagg.serve.settings import ServeSettings
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = ServeSettings.load(args.config)
+    for workload in args.workloads.split(","):
+        cfg = SweepConfig(
+            workload, _rates(args.rates, workload), args.num_requests, args.warmup, seed=args.seed
+        )
+        prompts = _prompts(str(base.path("engine_dir")), args.seed)
+        for mode in args.modes.split(","):
+            http, grpc, metrics = free_ports(3)
+            settings = replace(
+                base, mode=mode, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                build_dir=str(out_dir / "triton"), gateway_enabled=False,
+            )  # fmt: skip
+            print(f"== {workload} / {mode}: starting tritonserver", file=sys.stderr)
+            server = TritonServer(settings)
+            server.start()
+            try:
+                server.wait_ready(timeout_s=300)
+                args.url = f"{settings.host}:{grpc}"
+                sweep = run_sweep(_target_factory(args), cfg, prompts, mode)
+            finally:
+                server.stop()
+            sweep["command"] = _command()
+            (out_dir / f"{workload}-{mode}.json").write_text(json.dumps(sweep))
+    return cmd_report(args)
+
+
+def cmd_report(args) -> int:
+    out_dir, img_dir = Path(args.out_dir), Path(args.img_dir)
+    img_dir.mkdir(parents=True, exist_ok=True)
+    sections = []
+    for workload in args.workloads.split(","):
+        sweeps = {}
+        for mode in args.modes.split(","):
+            path = out_dir / f"{workload}-{mode}.json"
+            if path.exists():
+                sweeps[mode] = json.loads(path.read_text())
+        if not sweeps:
+            continue
+        slo = R.slos(list(sweeps.values()), args.ttft_factor, args.tpot_factor)
+        results = {m: R.summarize_sweep(s, slo) for m, s in sweeps.items()}
+        png = img_dir / f"modes-{workload}.png"
+        R.plot_workload(workload, sweeps, results, slo, png)
+        table = R.markdown_table(workload, results, slo)
+        print(table)
+        (out_dir / f"{workload}-summary.json").write_text(
+            json.dumps(
+                {m: {"goodput": r["goodput"]} for m, r in results.items()}, indent=1, default=str
+            )
+        )
+        sections.append(f"{table}\n![{workload}]({png.relative_to(Path(args.doc).parent)})\n")
+    if args.doc and sections:
+        command = next(iter(sweeps.values())).get("command", "")
+        _write_doc(Path(args.doc), sections, command)
+        print(f"updated {args.doc}")
+    return 0
+
+
+def _write_doc(doc: Path, sections: list[str], command: str) -> None:
+    body = (
+        f"{DOC_BEGIN}\nGenerated {time.strftime('%Y-%m-%d %H:%M')} by:\n\n```\n{command}\n```\n\n"
+        + "\n".join(sections)
+        + f"{DOC_END}"
+    )
+    text = doc.read_text() if doc.exists() else ""
+    if DOC_BEGIN in text and DOC_END in text:
+        head, rest = text.split(DOC_BEGIN, 1)
+        text = head + body + rest.split(DOC_END, 1)[1]
+    else:
+        text += "\n" + body + "\n"
+    doc.write_text(text)
+
+
+def _command() -> str:
+    return "python client/benchmark.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="client/benchmark.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, many: bool) -> None:
+        sp.add_argument("--engine-dir", default="engines/smollm2-135m-instruct")
+        sp.add_argument("--num-requests", type=int, default=16, help="per rate, warm-up included")
+        sp.add_argument("--warmup", type=int, default=2, help="requests left out, per rate")
+        sp.add_argument("--seed", type=int, default=0)
+        sp.add_argument("--rates", help="comma-separated req/s (default: per workload)")
+        sp.add_argument("--ttft-factor", type=float, default=3.0, help="SLO: x unloaded p50")
+        sp.add_argument("--tpot-factor", type=float, default=2.0, help="SLO: x unloaded p50")
+        if many:
+            sp.add_argument("--workloads", default=",".join(W.WORKLOADS))
+            sp.add_argument("--modes", default=",".join(MODES))
+            sp.add_argument("--out-dir", default="results/modes")
+            sp.add_argument("--img-dir", default="docs/img")
+            sp.add_argument("--doc", default="docs/benchmarks.md")
+
+    run = sub.add_parser("run", help="one workload against a running server")
+    common(run, many=False)
+    run.add_argument("--workload", choices=list(W.WORKLOADS), default="chat")
+    run.add_argument("--target", choices=("triton", "gateway"), default="triton")
+    run.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC, or the gateway URL")
+    run.add_argument("--model", default="router", help="Triton model, or the gateway's model")
+    run.add_argument("--label", default="", help="name of this server in tables and plots")
+    run.add_argument("--out", help="results JSON (a PNG is written next to it)")
+    run.set_defaults(func=cmd_run)
+
+    cmp_ = sub.add_parser("compare", help="the three serving modes on each workload")
+    common(cmp_, many=True)
+    cmp_.add_argument("--config", help="serve settings TOML (mode and ports are set here)")
+    cmp_.add_argument("--model", default="router", help="the entry model requests go to")
+    cmp_.set_defaults(func=cmd_compare, target="triton", url="")
+
+    rep = sub.add_parser("report", help="tables and plots from saved compare results")
+    common(rep, many=True)
+    rep.set_defaults(func=cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)

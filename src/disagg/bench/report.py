@@ -1,0 +1,143 @@
+"""Statistics, tables and plots from sweep results (sweep.py's JSON).
+
+SLOs are set once per workload and class from the unloaded requests of every sweep in the
+comparison (the best mode's p50, times a factor), so all modes are judged by one bar.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from disagg.bench.stats import SLO, Timeline, calibrate_slo, goodput_rate, measured, summarize
+
+TARGET_ATTAINMENT = 0.9
+
+
+def timelines(raw: list[dict]) -> list[Timeline]:
+    return [Timeline(**t) for t in raw]
+
+
+def classes_of(sweep: dict) -> list[str]:
+    return sorted({t["cls"] for t in sweep["unloaded"]})
+
+
+def slos(sweeps: list[dict], ttft_factor: float, tpot_factor: float) -> dict[str, SLO]:
+    """Per class: the factors times the lowest unloaded p50 among the sweeps."""
+    out = {}
+    for cls in classes_of(sweeps[0]):
+        per = [
+            calibrate_slo([t for t in timelines(s["unloaded"]) if t.cls == cls], 1.0, 1.0)
+            for s in sweeps
+        ]
+        out[cls] = SLO(
+            ttft_factor * min(p.ttft_s for p in per), tpot_factor * min(p.tpot_s for p in per)
+        )
+    return out
+
+
+def summarize_sweep(sweep: dict, slo: dict[str, SLO]) -> dict:
+    """{rate: {class or "all": ClassSummary}} and {class or "all": goodput rate}."""
+    warmup = sweep["config"]["warmup"]
+    by_rate = {}
+    for rate, raw in sweep["rates"].items():
+        ts = measured(timelines(raw), warmup)
+        by_rate[float(rate)] = {c: summarize(ts, c, slo) for c in [*classes_of(sweep), "all"]}
+    goodput = {
+        c: goodput_rate(
+            {r: s[c].slo_attainment or 0.0 for r, s in by_rate.items()}, TARGET_ATTAINMENT
+        )
+        for c in [*classes_of(sweep), "all"]
+    }
+    return {"by_rate": by_rate, "goodput": goodput}
+
+
+def _ms(x: float) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x * 1e3:.0f}"
+
+
+def markdown_table(workload: str, results: dict[str, dict], slo: dict[str, SLO]) -> str:
+    """One row per mode and class: attainment at each rate, latency at the highest rate."""
+    modes = list(results)
+    rates = sorted(results[modes[0]]["by_rate"])
+    top = rates[-1]
+    head = (
+        "| mode | class | "
+        + " | ".join(f"SLO met @{r:g}/s" for r in rates)
+        + f" | goodput (req/s) | TTFT p50/p99 ms @{top:g}/s | TPOT p50/p99 ms | ITL p99 ms "
+        "| tok/s | errors |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for mode in modes:
+        res = results[mode]
+        for cls in [c for c in res["by_rate"][top] if c != "all"] + ["all"]:
+            if cls == "all" and len(res["by_rate"][top]) == 2:
+                continue  # one class: "all" repeats it
+            s = res["by_rate"][top][cls]
+            att = " | ".join(
+                f"{100 * (res['by_rate'][r][cls].slo_attainment or 0):.0f}%" for r in rates
+            )
+            errors = sum(res["by_rate"][r][cls].num_errors for r in rates)
+            lines.append(
+                f"| {mode} | {cls} | {att} | {res['goodput'][cls]:g} | "
+                f"{_ms(s.ttft.p50)} / {_ms(s.ttft.p99)} | {_ms(s.tpot.p50)} / {_ms(s.tpot.p99)} "
+                f"| {_ms(s.itl.p99)} | {s.output_tokens_per_s:.0f} | {errors} |"
+            )
+    slo_text = ", ".join(
+        f"{c}: TTFT <= {_ms(v.ttft_s)} ms, TPOT <= {_ms(v.tpot_s)} ms" for c, v in slo.items()
+    )
+    return f"**{workload}** (SLO {slo_text})\n\n" + "\n".join(lines) + "\n"
+
+
+def plot_workload(
+    workload: str, sweeps: dict[str, dict], results: dict[str, dict], slo, path: Path
+) -> None:
+    """Four panels: SLO attainment vs offered rate, TTFT and TPOT CDFs at the highest rate,
+    and a TTFT/TPOT scatter (each point a request) with the SLO box."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 4, figsize=(18, 4.2))
+    top = max(float(r) for r in next(iter(sweeps.values()))["rates"])
+    for mode, res in results.items():
+        rates = sorted(res["by_rate"])
+        ax[0].plot(
+            rates, [100 * (res["by_rate"][r]["all"].slo_attainment or 0) for r in rates], "o-",
+            label=mode,
+        )  # fmt: skip
+        sweep = sweeps[mode]
+        warmup = sweep["config"]["warmup"]
+        ts = [t for t in measured(timelines(sweep["rates"][_key(sweep, top)]), warmup) if t.ok]
+        for i, values in enumerate(([t.ttft for t in ts], [t.tpot for t in ts if t.tpot])):
+            v = np.sort(values)
+            ax[1 + i].plot(v * 1e3, np.arange(1, len(v) + 1) / max(len(v), 1), label=mode)
+        ax[3].scatter(
+            [t.ttft * 1e3 for t in ts if t.tpot], [t.tpot * 1e3 for t in ts if t.tpot],
+            s=12, alpha=0.7, label=mode,
+        )  # fmt: skip
+    ax[0].axhline(100 * TARGET_ATTAINMENT, color="grey", ls="--", lw=1)
+    ax[0].set(xlabel="offered rate (req/s)", ylabel="SLO attainment (%)", ylim=(0, 105))
+    ax[1].set(xlabel=f"TTFT (ms) @ {top:g}/s", ylabel="CDF", xscale="log")
+    ax[2].set(xlabel=f"TPOT (ms) @ {top:g}/s", ylabel="CDF")
+    ax[3].set(xlabel=f"TTFT (ms) @ {top:g}/s", ylabel="TPOT (ms)", xscale="log")
+    for s in slo.values():
+        ax[1].axvline(s.ttft_s * 1e3, color="grey", ls=":", lw=1)
+        ax[2].axvline(s.tpot_s * 1e3, color="grey", ls=":", lw=1)
+        ax[3].add_patch(
+            plt.Rectangle((1, 0), s.ttft_s * 1e3, s.tpot_s * 1e3, fill=False, ls=":", ec="grey")
+        )
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(f"{workload}: SmolLM2-135M, 2 CPU cores (dotted: SLOs)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+def _key(sweep: dict, rate: float) -> str:
+    return next(k for k in sweep["rates"] if float(k) == rate)

@@ -1,0 +1,81 @@
+"""A rate sweep of one workload against one server: unloaded calibration requests, then each
+offered rate in turn, with a progress bar. Returns raw timelines (JSON-ready); statistics
+are computed afterwards (report.py), so SLOs can be set once for several servers."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from dataclasses import asdict, dataclass
+
+from tqdm import tqdm
+
+from disagg.bench import workloads as W
+from disagg.bench.runner import Progress, Target, run_one_at_a_time, run_open_loop
+from disagg.bench.stats import Timeline
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    workload: str
+    rates: tuple[float, ...]
+    num_requests: int = 24  # per rate, warm-up included
+    warmup: int = 4  # first requests of each rate, by send time, left out of the statistics
+    calibration_per_class: int = 3  # unloaded requests per class
+    seed: int = 0
+
+
+def _bar(total: int, desc: str) -> tuple[tqdm, Progress]:
+    bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=True, dynamic_ncols=True)
+    errors = [0]
+
+    def update(t: Timeline) -> None:
+        errors[0] += bool(t.error)
+        bar.set_postfix(errors=errors[0], refresh=False)
+        bar.update(1)
+
+    return bar, Progress(update)
+
+
+def calibration_specs(workload: W.Workload, per_class: int, seed: int) -> list[W.RequestSpec]:
+    """A few requests of each class, drawn like the workload's own (seed offset)."""
+    specs = W.build(workload, 1.0, 50 * per_class * len(workload.classes), seed + 1)
+    chosen = []
+    for c in workload.classes:
+        chosen += [s for s in specs if s.cls == c.name][:per_class]
+    return chosen
+
+
+async def sweep(target: Target, cfg: SweepConfig, prompts: W.PromptMaker, label: str) -> dict:
+    workload = W.WORKLOADS[cfg.workload]
+
+    def prompt_for(spec: W.RequestSpec) -> str:
+        return prompts.text(spec.prompt_tokens, spec.index)
+
+    out: dict = {"config": asdict(cfg), "label": label, "unloaded": [], "rates": {}}
+    specs = calibration_specs(workload, cfg.calibration_per_class, cfg.seed)
+    bar, progress = _bar(len(specs), f"{label} {cfg.workload} unloaded")
+    with bar:
+        out["unloaded"] = [
+            asdict(t) for t in await run_one_at_a_time(target, specs, prompt_for, progress)
+        ]
+    for rate in cfg.rates:
+        specs = W.build(workload, rate, cfg.num_requests, cfg.seed)
+        bar, progress = _bar(len(specs), f"{label} {cfg.workload} {rate:g}/s")
+        with bar:
+            timelines = await run_open_loop(target, specs, prompt_for, progress)
+        out["rates"][str(rate)] = [asdict(t) for t in timelines]
+    return out
+
+
+def run_sweep(target_factory, cfg: SweepConfig, prompts: W.PromptMaker, label: str) -> dict:
+    """`target_factory()` makes the Target inside the sweep's event loop."""
+
+    async def main() -> dict:
+        target = target_factory()
+        try:
+            return await sweep(target, cfg, prompts, label)
+        finally:
+            await target.close()
+
+    return asyncio.run(main())
