@@ -116,3 +116,26 @@ def test_load_tracker_reports_changes():
     tracker.add_prefill(-100)
     assert tracker.snapshot() == Load(0, 2)
     assert [load.prefill_queue_tokens for load in seen] == [100, 0]
+
+
+def test_remote_stall_is_learned_from_token_gaps():
+    model = CostModel(CostParams(remote_stall=0.5, min_gaps=16))
+    for _ in range(16):
+        model.observe_gap(0.040, remote_prefill_running=False)
+    assert model.remote_stall == 0.5  # no busy gaps yet: the prior holds
+    for _ in range(16):
+        model.observe_gap(0.160, remote_prefill_running=True)  # 4x slower while it prefills
+    assert model.remote_stall == pytest.approx(0.75)  # 1 - 40/160
+    model.observe_gap(5.0, remote_prefill_running=False)  # one co-located prefill's stall
+    assert model.remote_stall == pytest.approx(0.75)  # medians ignore it
+
+
+def test_a_learned_full_stall_keeps_prefill_local():
+    # shared cores that a remote prefill slows as much as a local one: nothing to gain remotely
+    model = CostModel(CostParams(prefill_s_per_token=1e-3, min_gaps=8))
+    for busy, gap in ((False, 0.04), (True, 40.0)):
+        for _ in range(8):
+            model.observe_gap(gap, busy)
+    assert model.remote_stall == pytest.approx(0.999)
+    # local 2 s x 9 = 18 s; remote 2 + 0.045 + 8 x 2 x 0.999 = 18.03 s
+    assert model.decide(2000, Load(0, 8)).remote is False

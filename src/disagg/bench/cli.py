@@ -130,7 +130,8 @@ def cmd_report(args) -> int:
                 {m: {"goodput": r["goodput"]} for m, r in results.items()}, indent=1, default=str
             )
         )
-        sections.append(f"{table}\n![{workload}]({png.relative_to(Path(args.doc).parent)})\n")
+        rel = os.path.relpath(png, Path(args.doc).parent)
+        sections.append(f"{table}\n![{workload}]({rel})\n")
     if args.doc and sections:
         command = next(iter(sweeps.values())).get("command", "")
         _write_doc(Path(args.doc), sections, command)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from tqdm import tqdm
 
@@ -37,13 +37,17 @@ def _bar(total: int, desc: str) -> tuple[tqdm, Progress]:
     return bar, Progress(update)
 
 
+CALIBRATION_MAX_TOKENS = 32  # enough tokens for a steady TPOT, few enough to be quick
+
+
 def calibration_specs(workload: W.Workload, per_class: int, seed: int) -> list[W.RequestSpec]:
-    """A few requests of each class, drawn like the workload's own (seed offset)."""
+    """A few requests of each class, drawn like the workload's own (seed offset), their
+    outputs capped: unloaded TTFT and TPOT do not depend on the output length."""
     specs = W.build(workload, 1.0, 50 * per_class * len(workload.classes), seed + 1)
     chosen = []
     for c in workload.classes:
         chosen += [s for s in specs if s.cls == c.name][:per_class]
-    return chosen
+    return [replace(s, max_tokens=min(s.max_tokens, CALIBRATION_MAX_TOKENS)) for s in chosen]
 
 
 async def sweep(target: Target, cfg: SweepConfig, prompts: W.PromptMaker, label: str) -> dict:

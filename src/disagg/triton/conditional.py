@@ -17,6 +17,11 @@ Both choices cost the same prefill compute; they differ in who waits for it:
     Q = prompt tokens queued at the prefill pool x seconds per token / prefill instances
     H = hand-off fixed cost + prompt tokens x hand-off seconds per token   (per token: learned)
 
+`remote_stall` is learned too, once enough tokens were seen both ways: a decode step that
+takes g seconds alone and g' while the prefill pool works loses (1 - g / g') of its time to
+the prefill, so remote_stall = 1 - median(g) / median(g'), from the token gaps the
+orchestrator streams (medians: a co-located prefill's one long gap does not move them).
+
 The cheaper side wins; ties go local (no hand-off to fail). Each decision names its reason:
   decode_idle     local: nothing is decoding, so a local prefill delays nobody
   prefill_queue   local: the prefill pool's queue costs more than stalling decode
@@ -29,7 +34,9 @@ request's TTFT weighs as much as one second of stall for each running sequence.
 
 from __future__ import annotations
 
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass
 
 DECODE_IDLE = "decode_idle"
@@ -44,9 +51,11 @@ class CostParams:
     prefill_s_per_token: float = 1.5e-3  # first guess (SmolLM2-135M on 2 CPU cores); learned
     handoff_fixed_s: float = 0.005  # serialise + BLS round trip of an empty payload (fixed)
     handoff_s_per_token: float = 2e-5  # ~46 KB of fp32 K/V per token; learned
-    remote_stall: float = 0.5  # fraction of a remote prefill that still slows decode
+    remote_stall: float = 0.5  # prior: fraction of a remote prefill that still slows decode
     prefill_instances: int = 1
     learn_rate: float = 0.2  # weight of a new observation in the running estimates
+    gap_window: int = 256  # token gaps kept per state for the stall estimate
+    min_gaps: int = 32  # gaps needed in each state before the estimate replaces the prior
 
 
 @dataclass(frozen=True)
@@ -66,13 +75,15 @@ class Decision:
     prefill_s: float  # P
     queue_s: float  # Q
     handoff_s: float  # H
+    remote_stall: float  # the estimate used
 
     def explain(self) -> str:
         side = "remote" if self.remote else "local"
         return (
             f"{side} ({self.reason}): local {self.local_cost_s * 1e3:.1f} ms vs remote "
             f"{self.remote_cost_s * 1e3:.1f} ms [prefill {self.prefill_s * 1e3:.1f}, "
-            f"queue {self.queue_s * 1e3:.1f}, hand-off {self.handoff_s * 1e3:.1f} ms]"
+            f"queue {self.queue_s * 1e3:.1f}, hand-off {self.handoff_s * 1e3:.1f} ms, "
+            f"remote stall {self.remote_stall:.2f}]"
         )
 
 
@@ -86,17 +97,20 @@ class CostModel:
         self.prefill_s_per_token = p.prefill_s_per_token
         self.handoff_fixed_s = p.handoff_fixed_s
         self.handoff_s_per_token = p.handoff_s_per_token
+        self.remote_stall = p.remote_stall
+        # token gaps while no remote prefill runs / while one does
+        self._gaps = {False: deque(maxlen=p.gap_window), True: deque(maxlen=p.gap_window)}
         self._lock = threading.Lock()
 
     def decide(self, num_prompt_tokens: int, load: Load) -> Decision:
         p = self.params
         with self._lock:
-            spt = self.prefill_s_per_token
+            spt, stall = self.prefill_s_per_token, self.remote_stall
             handoff = self.handoff_fixed_s + num_prompt_tokens * self.handoff_s_per_token
         prefill = num_prompt_tokens * spt
         queue = load.prefill_queue_tokens * spt / p.prefill_instances
         local = prefill + load.decode_active * prefill
-        remote = queue + prefill + handoff + load.decode_active * prefill * p.remote_stall
+        remote = queue + prefill + handoff + load.decode_active * prefill * stall
         if remote < local:
             reason = PROTECT_DECODE
         elif load.decode_active == 0:
@@ -105,7 +119,7 @@ class CostModel:
             reason = PREFILL_QUEUE
         else:
             reason = SHORT_PROMPT
-        return Decision(remote < local, reason, local, remote, prefill, queue, handoff)
+        return Decision(remote < local, reason, local, remote, prefill, queue, handoff, stall)
 
     def observe_prefill(self, num_tokens: int, compute_s: float) -> None:
         """A prefill the pool reported: its compute time for `num_tokens` prompt tokens."""
@@ -121,6 +135,16 @@ class CostModel:
             with self._lock:
                 per_token = max(seconds - self.handoff_fixed_s, 0.0) / num_tokens
                 self.handoff_s_per_token = self._mix(self.handoff_s_per_token, per_token)
+
+    def observe_gap(self, gap_s: float, remote_prefill_running: bool) -> None:
+        """A token gap of a decoding sequence, and whether the prefill pool was working."""
+        with self._lock:
+            gaps = self._gaps[remote_prefill_running]
+            gaps.append(gap_s)
+            idle, busy = self._gaps[False], self._gaps[True]
+            if len(gaps) % 8 == 0 and min(len(idle), len(busy)) >= self.params.min_gaps:
+                g, g_busy = statistics.median(idle), statistics.median(busy)
+                self.remote_stall = min(max(1 - g / g_busy, 0.0), 1.0) if g_busy > 0 else 0.0
 
     def _mix(self, old: float, new: float) -> float:
         return (1 - self.params.learn_rate) * old + self.params.learn_rate * new

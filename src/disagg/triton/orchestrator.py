@@ -278,6 +278,9 @@ class Orchestrator:
             gap = (now - timing.last_token_s) / max(num_tokens, 1)
         if num_tokens > 0:
             self.events.token_gap(out.served_by, gap, num_tokens)
+            if gap > 0:
+                busy = self.load.snapshot().prefill_queue_tokens > 0
+                self.cost_model.observe_gap(gap, busy)
         timing.last_token_s = now
 
     def _handoff_done(self, req, out: Reply, handoff: Handoff, accept_s: float) -> None:
