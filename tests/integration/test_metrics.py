@@ -141,3 +141,18 @@ def test_decode_steps_counter_follows_tokens(server, http):
 
 def _equal(a, b) -> None:
     assert a == b, (a, b)
+
+
+def test_status_view_shows_pools_decode_and_recent_latency(server, http, capsys):
+    from disagg import status
+
+    before = status.scrape(server.endpoints.metrics)
+    count = metric(server, "disagg_ttft_seconds_count")
+    run(http, [1, 2, 3], 4)
+    wait_for(lambda: metric(server, "disagg_ttft_seconds_count") == count + 1)
+    frame = status.render(before, status.scrape(server.endpoints.metrics), 1.0)
+    assert "decode_0_0" in frame and "orchestrator" in frame
+    ttft = next(line for line in frame.splitlines() if line.strip().startswith("TTFT"))
+    assert float(ttft.split()[1]) > 0  # a p50 from this interval's one request
+    assert status.main(["--metrics", server.endpoints.metrics, "--interval", "0.2", "--once"]) == 0
+    assert "decode instance" in capsys.readouterr().out

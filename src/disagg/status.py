@@ -1,0 +1,194 @@
+"""A live terminal view of a running disagg server, for users without Grafana.
+
+    python -m disagg.status                       # Triton metrics on 127.0.0.1:8002
+    python -m disagg.status --gateway http://127.0.0.1:9000 --interval 2
+
+Every interval it scrapes Triton's metrics port (and the gateway's /metrics) and shows the
+pools (queue, executions), decode instances (batch, waiting, KV in use), the prefill queue,
+and TTFT / ITL / e2e percentiles and rates over the last interval, from histogram deltas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+from dataclasses import dataclass
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+    def label(self, key: str, default: str = "") -> str:
+        return dict(self.labels).get(key, default)
+
+
+def parse(text: str) -> list[Sample]:
+    """Prometheus text format -> samples (comments and malformed lines skipped)."""
+    out = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        labels = tuple(sorted(_LABEL.findall(m.group(3) or "")))
+        out.append(Sample(m.group(1), labels, value))
+    return out
+
+
+def total(samples: list[Sample], name: str, **labels: str) -> float:
+    return sum(
+        s.value
+        for s in samples
+        if s.name == name and all(s.label(k) == v for k, v in labels.items())
+    )
+
+
+def buckets(samples: list[Sample], name: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts, summed over its label sets: {le: count}."""
+    out: dict[float, float] = defaultdict(float)
+    for s in samples:
+        if s.name == name + "_bucket":
+            out[float(s.label("le"))] += s.value
+    return dict(out)
+
+
+def quantile(q: float, cumulative: dict[float, float]) -> float:
+    """Prometheus' histogram_quantile: linear interpolation inside the bucket holding the
+    q-th observation; NaN without observations; the last finite bound for the +Inf bucket."""
+    bounds = sorted(cumulative)
+    if not bounds or cumulative[bounds[-1]] <= 0:
+        return math.nan
+    rank = q * cumulative[bounds[-1]]
+    prev_bound, prev_count = 0.0, 0.0
+    for b in bounds:
+        count = cumulative[b]
+        if count >= rank:
+            if math.isinf(b):
+                return prev_bound
+            if count == prev_count:
+                return b
+            return prev_bound + (b - prev_bound) * (rank - prev_count) / (count - prev_count)
+        prev_bound, prev_count = b, count
+    return prev_bound
+
+
+def delta(now: dict[float, float], before: dict[float, float]) -> dict[float, float]:
+    return {le: now[le] - before.get(le, 0.0) for le in now}
+
+
+def _ms(x: float) -> str:
+    return "    -" if math.isnan(x) else f"{x * 1e3:5.0f}"
+
+
+def render(before: list[Sample], now: list[Sample], seconds: float, gateway=None) -> str:
+    """One frame: what changed between two scrapes `seconds` apart."""
+    lines = [time.strftime("disagg status  %H:%M:%S") + f"   (last {seconds:.0f} s)", ""]
+    lines.append("pools           queued  executions/s")
+    for model in sorted({s.label("model") for s in now if s.name.startswith("nv_inference")}):
+        if not model:
+            continue
+        pending = total(now, "nv_inference_pending_request_count", model=model)
+        execs = total(now, "nv_inference_exec_count", model=model) - total(
+            before, "nv_inference_exec_count", model=model
+        )
+        lines.append(f"  {model:<14}{pending:6.0f}  {execs / seconds:11.1f}")
+    lines += ["", "decode instance   batch  waiting  KV in use"]
+    for s in sorted(
+        (s for s in now if s.name == "disagg_decode_batch_size"), key=lambda s: s.labels
+    ):
+        inst = s.label("instance")
+        kv = total(now, "disagg_decode_kv_bytes_in_use", instance=inst)
+        cap = total(now, "disagg_decode_kv_bytes_capacity", instance=inst)
+        waiting = total(now, "disagg_decode_waiting_sequences", instance=inst)
+        use = f"{kv / 2**20:7.1f} MiB ({100 * kv / cap:3.0f}%)" if cap else f"{kv / 2**20:7.1f} MiB"
+        lines.append(f"  {inst:<16}{s.value:5.0f}  {waiting:7.0f}  {use}")
+    queued = total(now, "disagg_prefill_queue_tokens")
+    lines += ["", f"prefill queue: {queued:.0f} prompt tokens", ""]
+    lines.append("latency (ms)     p50    p90    p99     per s")
+    for label, name in (
+        ("TTFT", "disagg_ttft_seconds"),
+        ("ITL", "disagg_itl_seconds"),
+        ("e2e", "disagg_e2e_seconds"),
+        ("KV hand-off", "disagg_kv_handoff_seconds"),
+    ):
+        d = delta(buckets(now, name), buckets(before, name))
+        n = max(d.values(), default=0.0)
+        qs = " ".join(_ms(quantile(q, d)) + " " for q in (0.5, 0.9, 0.99))
+        lines.append(f"  {label:<13}{qs} {n / seconds:7.1f}")
+    decisions = [s for s in now if s.name == "disagg_conditional_decisions_total"]
+    if decisions:
+        lines += ["", "conditional prefill decisions (total)"]
+        lines += [
+            f"  {s.label('prefill'):<7}{s.label('reason'):<16}{s.value:8.0f}" for s in decisions
+        ]
+    routes = [s for s in now if s.name == "disagg_router_requests_total"]
+    if routes:
+        lines += ["", "router (total)"]
+        lines += [f"  {s.label('target'):<12}{s.label('reason'):<24}{s.value:8.0f}" for s in routes]
+    errors = [s for s in now if s.name == "disagg_errors_total" and s.value]
+    if errors:
+        lines += ["", "errors (total)"]
+        lines += [f"  {s.label('stage'):<10}{s.label('kind'):<18}{s.value:8.0f}" for s in errors]
+    if gateway is not None:
+        g_before, g_now = gateway
+        reqs = total(g_now, "disagg_gateway_requests_total") - total(
+            g_before, "disagg_gateway_requests_total"
+        )
+        inflight = total(g_now, "disagg_gateway_inflight_requests")
+        lines += ["", f"gateway: {inflight:.0f} in flight, {reqs / seconds:.1f} requests/s"]
+    return "\n".join(lines)
+
+
+def scrape(url: str) -> list[Sample]:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return parse(r.read().decode())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m disagg.status", description=__doc__.split("\n")[0])
+    p.add_argument("--metrics", default="http://127.0.0.1:8002/metrics", help="Triton metrics")
+    p.add_argument("--gateway", default="", help="gateway base URL (its /metrics is read)")
+    p.add_argument("--interval", type=float, default=2.0)
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    args = p.parse_args(argv)
+    gw_url = args.gateway.rstrip("/") + "/metrics" if args.gateway else ""
+    try:
+        before, gw_before = scrape(args.metrics), scrape(gw_url) if gw_url else None
+    except OSError as e:
+        print(f"cannot read {args.metrics}: {e}", file=sys.stderr)
+        return 1
+    while True:
+        start = time.monotonic()
+        time.sleep(args.interval)
+        try:
+            now, gw_now = scrape(args.metrics), scrape(gw_url) if gw_url else None
+        except OSError as e:
+            print(f"\nscrape failed: {e}; retrying", file=sys.stderr)
+            continue
+        frame = render(
+            before, now, time.monotonic() - start, (gw_before, gw_now) if gw_url else None
+        )
+        if args.once:
+            print(frame)
+            return 0
+        sys.stdout.write("\033[H\033[2J" + frame + "\n")  # clear the screen, then draw
+        sys.stdout.flush()
+        before, gw_before = now, gw_now
+
+
+if __name__ == "__main__":
+    sys.exit(main())

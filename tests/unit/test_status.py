@@ -1,0 +1,69 @@
+"""The live status view: Prometheus parsing, histogram quantiles, one rendered frame."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from disagg.status import buckets, delta, parse, quantile, render, total
+
+pytestmark = pytest.mark.unit
+
+BEFORE = """
+# HELP disagg_ttft_seconds Time to first token
+# TYPE disagg_ttft_seconds histogram
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="colocated",le="0.1"} 0
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="colocated",le="0.5"} 0
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="colocated",le="1"} 0
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="colocated",le="+Inf"} 0
+nv_inference_exec_count{model="prefill",version="1"} 10
+nv_inference_pending_request_count{model="prefill",version="1"} 0
+"""
+
+NOW = """
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="colocated",le="0.1"} 2
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="colocated",le="0.5"} 6
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="colocated",le="1"} 8
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="colocated",le="+Inf"} 10
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="disaggregated",le="0.1"} 0
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="disaggregated",le="0.5"} 0
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="disaggregated",le="1"} 0
+disagg_ttft_seconds_bucket{model="orchestrator",served_by="disaggregated",le="+Inf"} 0
+nv_inference_exec_count{model="prefill",version="1"} 30
+nv_inference_pending_request_count{model="prefill",version="1"} 3
+disagg_decode_batch_size{instance="decode_0_0",model="decode"} 5
+disagg_decode_waiting_sequences{instance="decode_0_0",model="decode"} 1
+disagg_decode_kv_bytes_in_use{instance="decode_0_0",model="decode"} 104857600
+disagg_decode_kv_bytes_capacity{instance="decode_0_0",model="decode"} 419430400
+disagg_conditional_decisions_total{model="orchestrator",prefill="remote",reason="protect_decode"} 4
+garbage line without a value
+"""
+
+
+def test_parse_reads_names_labels_and_values_and_skips_the_rest():
+    samples = parse(NOW)
+    assert total(samples, "nv_inference_pending_request_count", model="prefill") == 3
+    assert total(samples, "disagg_ttft_seconds_bucket", le="+Inf") == 10
+    assert all(s.name != "garbage" for s in samples)
+
+
+def test_quantiles_interpolate_inside_buckets_like_prometheus():
+    d = delta(
+        buckets(parse(NOW), "disagg_ttft_seconds"), buckets(parse(BEFORE), "disagg_ttft_seconds")
+    )
+    assert d == {0.1: 2, 0.5: 6, 1.0: 8, math.inf: 10}
+    assert quantile(0.5, d) == pytest.approx(0.1 + 0.4 * (5 - 2) / 4)  # rank 5 in (0.1, 0.5]
+    assert quantile(0.1, d) == pytest.approx(0.05)  # rank 1 in (0, 0.1]
+    assert quantile(0.95, d) == 1.0  # in the +Inf bucket: the last finite bound
+    assert math.isnan(quantile(0.5, {0.1: 0, math.inf: 0}))
+
+
+def test_a_frame_shows_pools_decode_and_recent_latency():
+    frame = render(parse(BEFORE), parse(NOW), 10.0)
+    assert "prefill" in frame and "2.0" in frame  # 20 executions in 10 s
+    assert "decode_0_0" in frame and "100.0 MiB ( 25%)" in frame
+    ttft = next(line for line in frame.splitlines() if line.strip().startswith("TTFT"))
+    # p50 in (0.1, 0.5]; p90 and p99 fall in the +Inf bucket: its lower bound, 1 s
+    assert ttft.split()[1:4] == ["400", "1000", "1000"]
+    assert "protect_decode" in frame
