@@ -9,7 +9,7 @@ PROMPT ?= Explain in two sentences why prefill and decode want different hardwar
 MAX_TOKENS ?= 256
 PYTEST_ARGS ?=
 
-.PHONY: venv engine generate serve test lint bench clean
+.PHONY: venv engine generate serve test lint bench compare clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ bench: engine
 	$(PY) benchmarks/engine_bench.py --engine-dir $(ENGINE_DIR)
 	$(PY) benchmarks/serving_bench.py --engine-dir $(ENGINE_DIR)
 	$(PY) benchmarks/entry_bench.py --engine-dir $(ENGINE_DIR)
+
+# colocated vs disaggregated vs conditional on five workloads: results/modes/, docs/img/,
+# and the serving-modes section of docs/benchmarks.md
+compare: engine
+	DISAGG_ENGINE_DIR=$(ENGINE_DIR) $(PY) client/benchmark.py compare
 
 clean:
 	rm -rf $(VENV) engines results .pytest_cache

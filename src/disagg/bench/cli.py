@@ -25,11 +25,11 @@ from disagg.bench.sweep import SweepConfig, run_sweep
 MODES = ("colocated", "disaggregated", "conditional")
 # offered rates per workload for SmolLM2-135M on 2 CPU cores: from well under capacity to past it
 DEFAULT_RATES = {
-    "chat": (0.25, 0.5, 1.0),
-    "interference": (0.25, 0.5, 1.0),
-    "prefill-heavy": (0.15, 0.3, 0.6),
+    "chat": (0.2, 0.4, 0.8),
+    "interference": (0.1, 0.2, 0.4),
+    "prefill-heavy": (0.1, 0.2, 0.3),
     "decode-heavy": (0.25, 0.5, 1.0),
-    "mixed": (0.25, 0.5, 1.0),
+    "mixed": (0.2, 0.4, 0.8),
 }
 DOC_BEGIN = "<!-- serving-modes:begin (written by client/benchmark.py compare) -->"
 DOC_END = "<!-- serving-modes:end -->"
@@ -165,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
 
     def common(sp, many: bool) -> None:
         sp.add_argument("--engine-dir", default="engines/smollm2-135m-instruct")
-        sp.add_argument("--num-requests", type=int, default=16, help="per rate, warm-up included")
+        sp.add_argument("--num-requests", type=int, default=12, help="per rate, warm-up included")
         sp.add_argument("--warmup", type=int, default=2, help="requests left out, per rate")
         sp.add_argument("--seed", type=int, default=0)
         sp.add_argument("--rates", help="comma-separated req/s (default: per workload)")
