@@ -305,3 +305,43 @@ def test_gateway_metrics_count_requests_ttft_and_errors(gateway, client):
     )
     assert scrape(url, "disagg_gateway_requests_total", api="chat", status="400") >= 1
     assert scrape(url, "disagg_gateway_inflight_requests") == 0
+
+
+@pytest.mark.parametrize("via", ["gateway", "triton"])
+def test_benchmark_harness_records_real_timelines(stack, via):
+    """The harness's open loop against this server, through the gateway (OpenAI client) and
+    straight to Triton's router over gRPC: every request's tokens, counts and times."""
+    import asyncio
+
+    from disagg.bench.runner import GatewayTarget, TritonTarget, run_open_loop
+    from disagg.bench.workloads import RequestSpec
+
+    server, gateway, settings = stack
+    specs = [
+        RequestSpec(i, cls, arrival_s=0.2 * i, prompt_tokens=0, max_tokens=n, hints=hints)
+        for i, (cls, n, hints) in enumerate(
+            [("a", 6, {}), ("b", 9, {"latency_sla_ms": 150.0}), ("a", 4, {})]
+        )
+    ]
+
+    async def main():
+        if via == "gateway":
+            target = GatewayTarget(gateway.url, MODEL, "sk-test-alpha")
+        else:
+            target = TritonTarget(f"127.0.0.1:{settings.grpc_port}", "router")
+        try:
+            return await run_open_loop(target, specs, lambda s: f"Say hello number {s.index}.")
+        finally:
+            await target.close()
+
+    timelines = asyncio.run(main())
+    assert [t.cls for t in timelines] == ["a", "b", "a"]
+    for spec, t in zip(specs, timelines, strict=True):
+        assert t.ok, t.error
+        assert t.output_tokens == spec.max_tokens  # ignore_eos: exactly max_tokens
+        assert 5 <= t.prompt_tokens < 40
+        assert 0 < t.ttft < t.e2e and t.tpot > 0
+        assert t.chunk_s == sorted(t.chunk_s)
+        if via == "triton":  # tokens per chunk known from the cumulative count
+            assert sum(t.chunk_tokens) == spec.max_tokens
+    assert timelines[1].send_s - timelines[0].send_s == pytest.approx(0.2, abs=0.1)  # open loop

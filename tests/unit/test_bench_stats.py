@@ -164,3 +164,28 @@ def test_mixed_workload_tags_latency_critical_requests_for_the_router():
 def test_bad_rates_are_refused():
     with pytest.raises(ValueError):
         W.build(W.WORKLOADS["chat"], 0.0, 10, 0)
+
+
+def test_plots_and_the_doc_section_are_written(tmp_path):
+    from dataclasses import asdict
+
+    from disagg.bench import cli
+    from disagg.bench.report import plot_workload
+
+    def sweep(ttft):
+        rows = [asdict(steady("a", i, ttft, 0.05, 5)) for i in range(5)]
+        return {"config": {"warmup": 1}, "unloaded": rows[:2], "rates": {"0.5": rows, "1.0": rows}}
+
+    sweeps = {"colocated": sweep(0.1), "disaggregated": sweep(0.2)}
+    slo = slos(list(sweeps.values()), 3, 2)
+    results = {m: summarize_sweep(s, slo) for m, s in sweeps.items()}
+    png = tmp_path / "w.png"
+    plot_workload("w", sweeps, results, slo, png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    doc = tmp_path / "bench.md"
+    doc.write_text("# Benchmarks\n\nkept\n")
+    cli._write_doc(doc, ["first"], "python client/benchmark.py compare")
+    cli._write_doc(doc, ["second"], "python client/benchmark.py compare")  # replaces, once
+    text = doc.read_text()
+    assert text.count(cli.DOC_BEGIN) == 1 and "second" in text and "first" not in text
+    assert text.startswith("# Benchmarks\n\nkept\n")
