@@ -189,3 +189,22 @@ def test_plots_and_the_doc_section_are_written(tmp_path):
     text = doc.read_text()
     assert text.count(cli.DOC_BEGIN) == 1 and "second" in text and "first" not in text
     assert text.startswith("# Benchmarks\n\nkept\n")
+
+
+def test_slo_overrides_and_the_detail_table():
+    from dataclasses import asdict
+
+    from disagg.bench.report import detail_table, parse_slo_overrides, summary_json
+
+    over = parse_slo_overrides(["a=500:80"])
+    assert over == {"a": SLO(0.5, 0.08)}
+    with pytest.raises(ValueError, match="CLASS=TTFT_MS:TPOT_MS"):
+        parse_slo_overrides(["a=500"])
+    rows = [asdict(steady("a", i, 0.4, 0.05, 5)) for i in range(4)]
+    sweep = {"config": {"warmup": 0}, "unloaded": rows[:1], "rates": {"1.0": rows}}
+    slo = slos([sweep], 3, 2, overrides=over)
+    assert slo == over  # the override wins over calibration (which would give 1.2 s)
+    res = {"m": summarize_sweep(sweep, slo)}
+    table = detail_table(res)
+    assert "| m | 1 | a | 4 | 400/400/400/400 | 50/50/50/50 |" in table
+    assert summary_json(res, slo)["modes"]["m"]["by_rate"]["1.0"]["a"]["slo_attainment"] == 1.0

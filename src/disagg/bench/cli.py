@@ -67,9 +67,11 @@ def cmd_run(args) -> int:
     out = Path(args.out or f"results/bench-{args.workload}-{label}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(sweep))
-    slo = R.slos([sweep], args.ttft_factor, args.tpot_factor)
+    slo = R.slos([sweep], args.ttft_factor, args.tpot_factor, R.parse_slo_overrides(args.slo))
     results = {label: R.summarize_sweep(sweep, slo)}
     print(R.markdown_table(args.workload, results, slo))
+    print(R.detail_table(results))
+    out.with_suffix(".summary.json").write_text(json.dumps(R.summary_json(results, slo), indent=1))
     R.plot_workload(args.workload, {label: sweep}, results, slo, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
@@ -119,17 +121,19 @@ def cmd_report(args) -> int:
                 sweeps[mode] = json.loads(path.read_text())
         if not sweeps:
             continue
-        slo = R.slos(list(sweeps.values()), args.ttft_factor, args.tpot_factor)
+        slo = R.slos(
+            list(sweeps.values()), args.ttft_factor, args.tpot_factor,
+            R.parse_slo_overrides(args.slo),
+        )  # fmt: skip
         results = {m: R.summarize_sweep(s, slo) for m, s in sweeps.items()}
         png = img_dir / f"modes-{workload}.png"
         R.plot_workload(workload, sweeps, results, slo, png)
         table = R.markdown_table(workload, results, slo)
         print(table)
         (out_dir / f"{workload}-summary.json").write_text(
-            json.dumps(
-                {m: {"goodput": r["goodput"]} for m, r in results.items()}, indent=1, default=str
-            )
+            json.dumps(R.summary_json(results, slo), indent=1)
         )
+        (out_dir / f"{workload}-detail.md").write_text(R.detail_table(results))
         rel = os.path.relpath(png, Path(args.doc).parent)
         sections.append(f"{table}\n![{workload}]({rel})\n")
     if args.doc and sections:
@@ -171,6 +175,10 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--rates", help="comma-separated req/s (default: per workload)")
         sp.add_argument("--ttft-factor", type=float, default=3.0, help="SLO: x unloaded p50")
         sp.add_argument("--tpot-factor", type=float, default=2.0, help="SLO: x unloaded p50")
+        sp.add_argument(
+            "--slo", action="append", default=[], metavar="CLASS=TTFT_MS:TPOT_MS",
+            help="a class's SLO outright instead of calibrating it (repeatable)",
+        )  # fmt: skip
         if many:
             sp.add_argument("--workloads", default=",".join(W.WORKLOADS))
             sp.add_argument("--modes", default=",".join(MODES))

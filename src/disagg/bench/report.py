@@ -24,10 +24,18 @@ def classes_of(sweep: dict) -> list[str]:
     return sorted({t["cls"] for t in sweep["unloaded"]})
 
 
-def slos(sweeps: list[dict], ttft_factor: float, tpot_factor: float) -> dict[str, SLO]:
-    """Per class: the factors times the lowest unloaded p50 among the sweeps."""
-    out = {}
+def slos(
+    sweeps: list[dict],
+    ttft_factor: float,
+    tpot_factor: float,
+    overrides: dict[str, SLO] | None = None,
+) -> dict[str, SLO]:
+    """Per class: the factors times the lowest unloaded p50 among the sweeps, unless
+    `overrides` sets the class's SLO outright."""
+    out = dict(overrides or {})
     for cls in classes_of(sweeps[0]):
+        if cls in out:
+            continue
         per = [
             calibrate_slo([t for t in timelines(s["unloaded"]) if t.cls == cls], 1.0, 1.0)
             for s in sweeps
@@ -52,6 +60,57 @@ def summarize_sweep(sweep: dict, slo: dict[str, SLO]) -> dict:
         for c in [*classes_of(sweep), "all"]
     }
     return {"by_rate": by_rate, "goodput": goodput}
+
+
+def parse_slo_overrides(items: list[str]) -> dict[str, SLO]:
+    """["short=500:80", ...] (class=TTFT ms:TPOT ms) -> {class: SLO}."""
+    out = {}
+    for item in items:
+        try:
+            cls, values = item.split("=", 1)
+            ttft_ms, tpot_ms = (float(v) for v in values.split(":"))
+        except ValueError:
+            raise ValueError(f"--slo {item!r}: expected CLASS=TTFT_MS:TPOT_MS") from None
+        out[cls] = SLO(ttft_ms / 1e3, tpot_ms / 1e3)
+    return out
+
+
+def detail_table(results: dict[str, dict]) -> str:
+    """Every statistic: per mode, rate and class, mean / p50 / p90 / p99 in ms."""
+    head = (
+        "| mode | rate | class | n | TTFT mean/p50/p90/p99 | TPOT mean/p50/p90/p99 "
+        "| ITL mean/p50/p90/p99 | e2e mean/p50/p90/p99 | tok/s | SLO met | goodput req/s |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for mode, res in results.items():
+        for rate, by_cls in sorted(res["by_rate"].items()):
+            for cls, s in by_cls.items():
+                dists = " | ".join(
+                    "/".join(_ms(getattr(d, f)).strip() for f in ("mean", "p50", "p90", "p99"))
+                    for d in (s.ttft, s.tpot, s.itl, s.e2e)
+                )
+                lines.append(
+                    f"| {mode} | {rate:g} | {cls} | {s.num_requests} | {dists} "
+                    f"| {s.output_tokens_per_s:.0f} | {100 * (s.slo_attainment or 0):.0f}% "
+                    f"| {s.goodput_requests_per_s or 0:.2f} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def summary_json(results: dict[str, dict], slo: dict[str, SLO]) -> dict:
+    return {
+        "slo": {c: {"ttft_s": v.ttft_s, "tpot_s": v.tpot_s} for c, v in slo.items()},
+        "modes": {
+            mode: {
+                "goodput_rate": res["goodput"],
+                "by_rate": {
+                    str(rate): {c: s.to_dict() for c, s in by_cls.items()}
+                    for rate, by_cls in res["by_rate"].items()
+                },
+            }
+            for mode, res in results.items()
+        },
+    }
 
 
 def _ms(x: float) -> str:
@@ -101,12 +160,16 @@ def plot_workload(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 4, figsize=(18, 4.2))
+    fig, ax = plt.subplots(1, 5, figsize=(22, 4.2))
     top = max(float(r) for r in next(iter(sweeps.values()))["rates"])
     for mode, res in results.items():
         rates = sorted(res["by_rate"])
         ax[0].plot(
             rates, [100 * (res["by_rate"][r]["all"].slo_attainment or 0) for r in rates], "o-",
+            label=mode,
+        )  # fmt: skip
+        ax[4].plot(
+            rates, [res["by_rate"][r]["all"].goodput_requests_per_s or 0 for r in rates], "o-",
             label=mode,
         )  # fmt: skip
         sweep = sweeps[mode]
@@ -124,6 +187,7 @@ def plot_workload(
     ax[1].set(xlabel=f"TTFT (ms) @ {top:g}/s", ylabel="CDF", xscale="log")
     ax[2].set(xlabel=f"TPOT (ms) @ {top:g}/s", ylabel="CDF")
     ax[3].set(xlabel=f"TTFT (ms) @ {top:g}/s", ylabel="TPOT (ms)", xscale="log")
+    ax[4].set(xlabel="offered rate (req/s)", ylabel="goodput (SLO-meeting req/s)")
     for s in slo.values():
         ax[1].axvline(s.ttft_s * 1e3, color="grey", ls=":", lw=1)
         ax[2].axvline(s.tpot_s * 1e3, color="grey", ls=":", lw=1)
