@@ -33,6 +33,7 @@ def test_chat_request_maps_to_router_inputs():
             "stream": True,
             "stream_options": {"include_usage": True},
             "latency_sla_ms": 150,
+            "ignore_eos": True,
             "user": "ignored",
         },
         "chat",
@@ -43,7 +44,7 @@ def test_chat_request_maps_to_router_inputs():
     ]
     assert req.inputs["max_tokens"] == 7 and req.inputs["stop_words"] == ["END"]
     assert req.inputs["latency_sla_ms"] == 150.0 and req.inputs["seed"] == 3
-    assert req.stream and req.include_usage
+    assert req.stream and req.include_usage and req.inputs["ignore_eos"] is True
 
 
 @pytest.mark.parametrize(
@@ -61,6 +62,7 @@ def test_chat_request_maps_to_router_inputs():
         ({"temperature": -1}, "temperature"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stream": "yes"}, "stream"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},

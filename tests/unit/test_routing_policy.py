@@ -213,3 +213,12 @@ def test_rate_limit_budget_from_headers():
     assert not r.can_send(1)
     clock.t += 3
     assert r.can_send(1)
+
+
+def test_fields_an_openai_endpoint_cannot_honour_keep_a_request_local():
+    from disagg.routing.request import local_only_fields
+
+    chat = [{"role": "user", "content": "hi"}]
+    assert local_only_fields({}, chat) == ()
+    assert local_only_fields({"ignore_eos": True, "top_k": 5}, chat) == ("top_k", "ignore_eos")
+    assert local_only_fields({"ignore_eos": False}, None) == ("raw_prompt",)
