@@ -102,11 +102,30 @@ def cmd_compare(args) -> int:
                 server.wait_ready(timeout_s=300)
                 args.url = f"{settings.host}:{grpc}"
                 sweep = run_sweep(_target_factory(args), cfg, prompts, mode)
+                sweep["server"] = _server_counts(server.endpoints.metrics)
             finally:
                 server.stop()
             sweep["command"] = _command()
             (out_dir / f"{workload}-{mode}.json").write_text(json.dumps(sweep))
     return cmd_report(args)
+
+
+def _server_counts(metrics_url: str) -> dict:
+    """What the server counted over the whole sweep: who prefilled, and the conditional
+    mode's decisions by reason."""
+    from disagg.status import scrape
+
+    samples = scrape(metrics_url)
+    out: dict[str, float] = {}
+    for s in samples:
+        if s.name == "disagg_requests_total":
+            key = f"served_by={s.label('served_by')}"
+        elif s.name == "disagg_conditional_decisions_total":
+            key = f"{s.label('prefill')}:{s.label('reason')}"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def cmd_report(args) -> int:
@@ -129,6 +148,16 @@ def cmd_report(args) -> int:
         png = img_dir / f"modes-{workload}.png"
         R.plot_workload(workload, sweeps, results, slo, png)
         table = R.markdown_table(workload, results, slo)
+        counts = {m: s["server"] for m, s in sweeps.items() if s.get("server")}
+        if counts:
+            table += (
+                "\nServer counts over each sweep (calibration included): "
+                + "; ".join(
+                    f"{m}: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(c.items()))
+                    for m, c in counts.items()
+                )
+                + "\n"
+            )
         print(table)
         (out_dir / f"{workload}-summary.json").write_text(
             json.dumps(R.summary_json(results, slo), indent=1)
