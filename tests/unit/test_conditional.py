@@ -94,11 +94,29 @@ def test_it_learns_prefill_and_hand_off_speed_from_reports():
         CostParams(prefill_s_per_token=1e-3, handoff_s_per_token=1e-5, learn_rate=0.5)
     )
     model.observe_prefill(1000, 3.0)  # the pool reports 3 ms per token
-    assert model.prefill_s_per_token == pytest.approx(2e-3)  # halfway there
+    assert model.remote_s_per_token == pytest.approx(2e-3)  # halfway there
+    assert model.local_s_per_token == pytest.approx(1e-3)  # decode's own speed: not this
+    model.observe_local_prefill(1000, 0.5)
+    assert model.local_s_per_token == pytest.approx(0.75e-3)
+    model.observe_local_prefill(10, 5.0)  # a short prompt: mostly waiting for a step
+    assert model.local_s_per_token == pytest.approx(0.75e-3)
     model.observe_handoff(1000, 0.005 + 0.05)  # 50 us per token over the fixed 5 ms
     assert model.handoff_s_per_token == pytest.approx((1e-5 + 5e-5) / 2)
     model.observe_prefill(0, 1.0)  # nothing to learn from an empty prompt
-    assert model.prefill_s_per_token == pytest.approx(2e-3)
+    assert model.remote_s_per_token == pytest.approx(2e-3)
+
+
+def test_shared_cores_keep_prefill_local_separate_hardware_sends_it_away():
+    # shared cores: the pool gets half of them, so it prefills at half speed and decode runs
+    # at half speed meanwhile (stall 0.5): the decoders lose the same time either way
+    shared = CostModel(CostParams(prefill_s_per_token=1e-3, remote_stall=0.5, learn_rate=1.0))
+    shared.observe_prefill(1000, 2.0)
+    d = shared.decide(2000, Load(0, 4))
+    # local 2 x 5 = 10 s; remote 4 + 0.045 + 4 x 4 x 0.5 = 12.045 s
+    assert (d.remote, d.local_cost_s, d.remote_cost_s) == (False, 10.0, pytest.approx(12.045))
+    # separate GPUs: the pool prefills as fast as decode would, and decode does not slow down
+    separate = CostModel(CostParams(prefill_s_per_token=1e-3, remote_stall=0.0))
+    assert separate.decide(2000, Load(0, 4)).remote is True
 
 
 def test_invalid_parameters_are_refused():

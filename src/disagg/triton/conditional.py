@@ -1,26 +1,35 @@
 """The conditional serving mode's cost model: prefill this prompt in the prefill pool, or let
 the decode pool prefill it itself? No Triton here.
 
-Both choices cost the same prefill compute; they differ in who waits for it:
+The choices differ in how fast the prefill runs and in who waits for it:
 
     local  (decode prefills):  the request waits for its prefill, and so does every sequence
                                decoding in that engine: its step loop stops for the prefill.
-        local_cost  = P + A * P
+        local_cost  = P_local + A * P_local
     remote (prefill pool):     the request waits for the prefill pool's queue, its prefill and
                                the KV hand-off; decoding sequences go on, slowed only as far as
                                the prefill pool shares their hardware (`remote_stall`: 0 on
-                               separate GPUs, ~0.5 when both pools share a CPU's cores).
-        remote_cost = Q + P + H + A * P * remote_stall
+                               separate GPUs, about the pool's share of the cores when both
+                               pools share a CPU).
+        remote_cost = Q + P_remote + H + A * P_remote * remote_stall
 
-    P = prompt tokens x prefill seconds per token     (learned from the prefill pool's reports)
+    P_local  = prompt tokens x decode's own prefill seconds per token (learned from the time
+               decode takes to answer a request it prefills)
+    P_remote = prompt tokens x the prefill pool's seconds per token (learned from its reports;
+               on shared cores it includes the contention with decode)
     A = sequences this orchestrator has in decode now
-    Q = prompt tokens queued at the prefill pool x seconds per token / prefill instances
+    Q = prompt tokens queued at the prefill pool x P_remote per token / prefill instances
     H = hand-off fixed cost + prompt tokens x hand-off seconds per token   (per token: learned)
 
 `remote_stall` is learned too, once enough tokens were seen both ways: a decode step that
 takes g seconds alone and g' while the prefill pool works loses (1 - g / g') of its time to
 the prefill, so remote_stall = 1 - median(g) / median(g'), from the token gaps the
 orchestrator streams (medians: a co-located prefill's one long gap does not move them).
+
+On separate hardware P_remote ~ P_local and the stall ~ 0: remote wins once the running
+sequences' stall outweighs the hand-off. On shared cores the prefill pool gets a share f of
+them, so P_remote ~ P_local / f and the stall ~ f: the decoders lose the same time either
+way, the request's own prefill is slower remotely, and local wins.
 
 The cheaper side wins; ties go local (no hand-off to fail). Each decision names its reason:
   decode_idle     local: nothing is decoding, so a local prefill delays nobody
@@ -48,7 +57,7 @@ REASONS = (DECODE_IDLE, PREFILL_QUEUE, SHORT_PROMPT, PROTECT_DECODE)
 
 @dataclass(frozen=True)
 class CostParams:
-    prefill_s_per_token: float = 1.5e-3  # first guess (SmolLM2-135M on 2 CPU cores); learned
+    prefill_s_per_token: float = 1.5e-3  # first guess for both sides (SmolLM2-135M, 2 cores)
     handoff_fixed_s: float = 0.005  # serialise + BLS round trip of an empty payload (fixed)
     handoff_s_per_token: float = 2e-5  # ~46 KB of fp32 K/V per token; learned
     remote_stall: float = 0.5  # prior: fraction of a remote prefill that still slows decode
@@ -56,6 +65,7 @@ class CostParams:
     learn_rate: float = 0.2  # weight of a new observation in the running estimates
     gap_window: int = 256  # token gaps kept per state for the stall estimate
     min_gaps: int = 32  # gaps needed in each state before the estimate replaces the prior
+    min_local_tokens: int = 256  # shorter local prefills are dominated by the step they wait for
 
 
 @dataclass(frozen=True)
@@ -72,7 +82,8 @@ class Decision:
     reason: str  # one of REASONS
     local_cost_s: float
     remote_cost_s: float
-    prefill_s: float  # P
+    local_prefill_s: float  # P_local
+    remote_prefill_s: float  # P_remote
     queue_s: float  # Q
     handoff_s: float  # H
     remote_stall: float  # the estimate used
@@ -81,7 +92,8 @@ class Decision:
         side = "remote" if self.remote else "local"
         return (
             f"{side} ({self.reason}): local {self.local_cost_s * 1e3:.1f} ms vs remote "
-            f"{self.remote_cost_s * 1e3:.1f} ms [prefill {self.prefill_s * 1e3:.1f}, "
+            f"{self.remote_cost_s * 1e3:.1f} ms [prefill {self.local_prefill_s * 1e3:.1f} here / "
+            f"{self.remote_prefill_s * 1e3:.1f} there, "
             f"queue {self.queue_s * 1e3:.1f}, hand-off {self.handoff_s * 1e3:.1f} ms, "
             f"remote stall {self.remote_stall:.2f}]"
         )
@@ -94,7 +106,8 @@ class CostModel:
         self.params = p = params or CostParams()
         if p.prefill_instances < 1 or not 0.0 <= p.remote_stall <= 1.0:
             raise ValueError("need prefill_instances >= 1 and 0 <= remote_stall <= 1")
-        self.prefill_s_per_token = p.prefill_s_per_token
+        self.local_s_per_token = p.prefill_s_per_token
+        self.remote_s_per_token = p.prefill_s_per_token
         self.handoff_fixed_s = p.handoff_fixed_s
         self.handoff_s_per_token = p.handoff_s_per_token
         self.remote_stall = p.remote_stall
@@ -105,12 +118,13 @@ class CostModel:
     def decide(self, num_prompt_tokens: int, load: Load) -> Decision:
         p = self.params
         with self._lock:
-            spt, stall = self.prefill_s_per_token, self.remote_stall
+            local_spt, remote_spt = self.local_s_per_token, self.remote_s_per_token
+            stall = self.remote_stall
             handoff = self.handoff_fixed_s + num_prompt_tokens * self.handoff_s_per_token
-        prefill = num_prompt_tokens * spt
-        queue = load.prefill_queue_tokens * spt / p.prefill_instances
-        local = prefill + load.decode_active * prefill
-        remote = queue + prefill + handoff + load.decode_active * prefill * stall
+        p_local, p_remote = num_prompt_tokens * local_spt, num_prompt_tokens * remote_spt
+        queue = load.prefill_queue_tokens * remote_spt / p.prefill_instances
+        local = p_local + load.decode_active * p_local
+        remote = queue + p_remote + handoff + load.decode_active * p_remote * stall
         if remote < local:
             reason = PROTECT_DECODE
         elif load.decode_active == 0:
@@ -119,15 +133,22 @@ class CostModel:
             reason = PREFILL_QUEUE
         else:
             reason = SHORT_PROMPT
-        return Decision(remote < local, reason, local, remote, prefill, queue, handoff, stall)
+        return Decision(
+            remote < local, reason, local, remote, p_local, p_remote, queue, handoff, stall
+        )
 
     def observe_prefill(self, num_tokens: int, compute_s: float) -> None:
         """A prefill the pool reported: its compute time for `num_tokens` prompt tokens."""
         if num_tokens > 0 and compute_s > 0:
             with self._lock:
-                self.prefill_s_per_token = self._mix(
-                    self.prefill_s_per_token, compute_s / num_tokens
-                )
+                self.remote_s_per_token = self._mix(self.remote_s_per_token, compute_s / num_tokens)
+
+    def observe_local_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A prompt decode prefilled itself: request sent -> first token (which includes
+        waiting for decode's current step: small next to the long prompts that matter)."""
+        if num_tokens >= self.params.min_local_tokens and seconds > 0:
+            with self._lock:
+                self.local_s_per_token = self._mix(self.local_s_per_token, seconds / num_tokens)
 
     def observe_handoff(self, num_tokens: int, seconds: float) -> None:
         """A hand-off's measured time: the part over the fixed cost is charged per token."""

@@ -252,6 +252,11 @@ class Orchestrator:
             if not out.decode_pid and handoff is not None:  # decode's acknowledgement
                 self._handoff_done(req, out, handoff, time.perf_counter() - sent)
             out.decode_pid = step.worker_pid
+            if step.token_ids and handoff is None and timing.last_token_s is None:
+                # decode prefilled this prompt itself: how fast it does that, for the cost model
+                self.cost_model.observe_local_prefill(
+                    len(req.prompt_ids), time.perf_counter() - sent
+                )
             if step.token_ids:
                 self._token_times(out, timing, len(step.token_ids))
             if finish is None:  # after a stop string or a cancel, drain without adding text
