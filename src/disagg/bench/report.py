@@ -194,6 +194,10 @@ def plot_workload(
         ax[3].add_patch(
             plt.Rectangle((1, 0), s.ttft_s * 1e3, s.tpot_s * 1e3, fill=False, ls=":", ec="grey")
         )
+    from matplotlib.ticker import NullFormatter
+
+    for a in (ax[1], ax[3]):  # log axes: label the decades only
+        a.xaxis.set_minor_formatter(NullFormatter())
     for a in ax:
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
