@@ -174,9 +174,8 @@ def cmd_report(args) -> int:
 
 def _write_doc(doc: Path, sections: list[str], command: str) -> None:
     body = (
-        f"{DOC_BEGIN}\nGenerated {time.strftime('%Y-%m-%d %H:%M')} by:\n\n```\n{command}\n```\n\n"
-        + "\n".join(sections)
-        + f"{DOC_END}"
+        f"{DOC_BEGIN}\nTables and plots drawn {time.strftime('%Y-%m-%d %H:%M')} from the "
+        f"results of:\n\n```\n{command}\n```\n\n" + "\n".join(sections) + f"{DOC_END}"
     )
     text = doc.read_text() if doc.exists() else ""
     if DOC_BEGIN in text and DOC_END in text:
