@@ -102,3 +102,23 @@ def test_prometheus_scrapes_triton_and_the_dashboard_plots_real_metrics():
         (ROOT / "deploy/grafana/provisioning/dashboards/disagg.yml").read_text()
     )  # noqa: E501
     assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_the_serving_image_pins_every_third_party_module_the_served_code_imports():
+    import sys
+
+    served = [ROOT / "model_repository"] + [
+        ROOT / "src/disagg" / d for d in ("gateway", "triton", "routing", "serve", "trtllm")
+    ]
+    modules = set()
+    for folder in served:
+        for path in folder.rglob("*.py"):
+            modules |= set(re.findall(r"^(?:from|import) ([a-z_0-9]+)", path.read_text(), re.M))
+    provided = {"disagg", "torch", "triton_python_backend_utils", "tensorrt_llm", "__future__"}
+    distribution = {"grpc": "tritonclient", "yaml": "pyyaml"}  # module -> what installs it
+    third_party = {
+        distribution.get(m, m) for m in modules - set(sys.stdlib_module_names) - provided
+    }
+    lines = (ROOT / "deploy" / "requirements-serve.txt").read_text().splitlines()
+    pins = {re.split(r"[=\[<>]", x)[0].replace("-", "_") for x in lines if x and x[0] != "#"}
+    assert third_party and third_party <= pins, third_party - pins
