@@ -182,15 +182,14 @@ class DecodeEngine:
 
     def stats(self) -> dict[str, int]:
         bm = self.scheduler.block_manager
+        bytes_per_block = bm.block_size * self.model.args.kv_bytes_per_token
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_kv_blocks_used": bm.num_used_blocks,
             "num_kv_blocks_total": bm.num_blocks,
-            "kv_bytes_reserved": bm.num_used_blocks
-            * bm.block_size
-            * self.model.args.kv_bytes_per_token,
-            "kv_bytes_capacity": bm.num_blocks * bm.block_size * self.model.args.kv_bytes_per_token,
+            "kv_bytes_reserved": bm.num_used_blocks * bytes_per_block,
+            "kv_bytes_capacity": bm.num_blocks * bytes_per_block,
             "num_steps": self.num_steps,
         }
 

@@ -104,7 +104,7 @@ DECISIONS = _m(
     "Conditional mode: where each prompt was prefilled, and the cost model's reason",
     ("model", "prefill", "reason"),
 )
-PREFILL_INFLIGHT = _m(
+PREFILL_QUEUE_TOKENS = _m(
     "disagg_prefill_queue_tokens",
     GAUGE,
     "Prompt tokens the orchestrator has sent to the prefill pool and not yet got back",

@@ -502,7 +502,7 @@ class _MetricsThread:
         while True:
             family, labels, op, value = self.updates.get()
             try:
-                getattr(family.series_for(labels), op)(value)
+                family.apply(labels, op, value)
             except Exception:  # metrics must never take the model down
                 _log.exception("metric %s: %s failed", family.spec.name, op)
 
@@ -528,15 +528,23 @@ class Family:
         self.spec = metric
         self.fixed = fixed
         self.family = pb_utils.MetricFamily(metric.name, metric.help, _family_kind(metric.kind))
-        self.series: dict[tuple, object] = {}  # touched by the metrics thread only
+        # touched by the metrics thread only
+        self.series: dict[tuple, object] = {}
+        self.last_set: dict[tuple, float] = {}  # gauges: the value the server has
 
-    def series_for(self, labels: dict[str, str]):
+    def apply(self, labels: dict[str, str], op: str, value: float) -> None:
+        """One update, on the metrics thread. A gauge set to the value it already has is not
+        sent: decode sets its gauges after every step, and they rarely change."""
         key = tuple(sorted(labels.items()))
+        if op == "set":
+            if self.last_set.get(key) == value:
+                return
+            self.last_set[key] = value
         series = self.series.get(key)
         if series is None:
             extra = {"buckets": list(self.spec.buckets)} if self.spec.buckets else {}
             series = self.series[key] = self.family.Metric(labels=labels, **extra)
-        return series
+        getattr(series, op)(value)
 
     def inc(self, value: float = 1.0, **labels: str) -> None:
         if value:
@@ -581,7 +589,7 @@ class OrchestratorMetrics:
         self.queue, self.prefill_s = Family(M.QUEUE), Family(M.PREFILL)
         self.kv_bytes, self.kv_s = Family(M.KV_BYTES, **f), Family(M.KV_SECONDS, **f)
         self.decisions = Family(M.DECISIONS, **f)
-        self.prefill_queue = Family(M.PREFILL_INFLIGHT, **f)
+        self.prefill_queue = Family(M.PREFILL_QUEUE_TOKENS, **f)
 
     def first_token(self, served_by: str, ttft_s: float) -> None:
         self.ttft.observe(ttft_s, served_by=served_by)
