@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -166,8 +167,10 @@ class GrpcClient:
         stream: bool = True,
         on_delta: Callable[[str], None] | None = None,
         cancel_after_deltas: int | None = None,
+        cancel: threading.Event | None = None,
     ) -> Result:
-        """With `cancel_after_deltas`, the stream is cancelled after that many deltas."""
+        """The stream is cancelled after `cancel_after_deltas` deltas, or at the first response
+        after `cancel` is set (a caller stopping a stream it no longer wants)."""
         events: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: events.put((result, error)))
         result, start = Result(), time.perf_counter()
@@ -190,7 +193,10 @@ class GrpcClient:
                 final = res.get_response().parameters.get("triton_final_response")
                 if final is not None and final.bool_param:
                     break
-                if cancel_after_deltas is not None and len(result.deltas) >= cancel_after_deltas:
+                limit = cancel_after_deltas
+                if (limit is not None and len(result.deltas) >= limit) or (
+                    cancel is not None and cancel.is_set()
+                ):
                     self.client.stop_stream(cancel_requests=True)
                     result.finish_reason = "cancelled"
                     break
