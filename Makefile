@@ -1,7 +1,10 @@
 # disagg: every target installs what it needs into .venv first, so a fresh clone needs
 # nothing but python3 (3.11) and make.
 
-PYTHON ?= python3
+# The Python backend stub embeds Debian's libpython 3.11 and imports the stdlib C modules and
+# packages of the venv first on PATH: a venv made from that same interpreter keeps them one
+# build (a pyenv venv mixes two: _ssl fails to load, and stubs crash in libpython).
+PYTHON ?= $(firstword $(wildcard /usr/bin/python3.11) python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ENGINE_DIR ?= engines/smollm2-135m-instruct
