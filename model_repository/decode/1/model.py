@@ -39,22 +39,17 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
+            sink = pb.SenderSink(request.get_response_sender(), self.pid, pb.is_bls_caller(request))
             try:
                 rid = request.request_id() or uuid.uuid4().hex
                 f = pb.read_fields(request, {P.SAMPLING: "str"}, batched=False)
                 params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
                 prefill, prompt_ids = pb.read_kv_handoff(request, rid)
-                self.service.submit(
-                    rid,
-                    params,
-                    pb.SenderSink(sender, self.pid),
-                    prefill=prefill,
-                    prompt_ids=prompt_ids,
-                )
+                self.service.submit(rid, params, sink, prefill=prefill, prompt_ids=prompt_ids)
             except Exception as e:
-                sender.send(pb.error_response(e), flags=pb.FINAL)
+                sink.fail(e)
         return None
 
     def finalize(self):
         self.service.stop()
+        pb.close_metrics()  # before the stub exits (see pb.close_metrics)

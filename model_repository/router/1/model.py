@@ -67,3 +67,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.runner.shutdown()
+        pb.close_metrics()  # before the stub exits (see pb.close_metrics)

@@ -7,8 +7,10 @@ Imported only inside a Triton Python backend stub (where the module exists).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -21,8 +23,6 @@ from disagg import metrics as M
 from disagg.cancel import CancelRegistry
 from disagg.config import EngineConfig
 from disagg.errors import (
-    CapacityError,
-    EngineDeadError,
     KVPayloadError,
     PoolError,
     RequestError,
@@ -151,19 +151,49 @@ def reply_response(reply: Reply, batched: bool) -> pb_utils.InferenceResponse:
 
 
 def error_code(exc: Exception):
-    if isinstance(exc, RequestError):
-        return pb_utils.TritonError.INVALID_ARG
-    if isinstance(exc, (CapacityError, PoolError, EngineDeadError)):
-        return pb_utils.TritonError.UNAVAILABLE
-    return pb_utils.TritonError.INTERNAL
+    # looked up per call: the stub that auto-completes configs has no TritonError
+    codes = pb_utils.TritonError
+    kind = P.error_kind_of(exc)
+    if kind == P.INVALID_REQUEST:
+        return codes.INVALID_ARG
+    return codes.UNAVAILABLE if kind == P.UNAVAILABLE else codes.INTERNAL
 
 
 def error_kind(exc: Exception) -> str:
     """A metric label for an error: invalid_request, unavailable or internal."""
-    code = error_code(exc)
-    if code == pb_utils.TritonError.INVALID_ARG:
-        return "invalid_request"
-    return "unavailable" if code == pb_utils.TritonError.UNAVAILABLE else "internal"
+    return P.error_kind_of(exc)
+
+
+def is_bls_caller(request) -> bool:
+    """Whether another model of this server sent `request` over BLS (see protocol.py)."""
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except (ValueError, TypeError):
+        return False
+    return isinstance(params, dict) and params.get(P.CALLER_PARAM) == P.BLS_CALLER
+
+
+BLS_PARAMETERS = {P.CALLER_PARAM: P.BLS_CALLER}  # what a BLS call sends (is_bls_caller)
+
+
+def ack_response(pid: int, batched: bool) -> pb_utils.InferenceResponse:
+    """The first response to a BLS caller: which process to watch while waiting."""
+    return pb_utils.InferenceResponse(
+        output_tensors=[tensor(P.WORKER_PID, [pid], np.int32, batched)]
+    )
+
+
+def failure_response(exc: Exception, as_outputs: bool, batched: bool = False):
+    """A failed request's final response: a Triton error, or for a BLS caller that is past its
+    first response, the error as outputs (Triton would drop the error response)."""
+    if not as_outputs:
+        return error_response(exc)
+    return pb_utils.InferenceResponse(
+        output_tensors=[
+            tensor(P.ERROR_KIND, [P.error_kind_of(exc).encode()], np.object_, batched),
+            tensor(P.ERROR, [str(exc).encode("utf-8", "replace")], np.object_, batched),
+        ]
+    )
 
 
 # Message prefixes by error kind: a gRPC stream carries an error's message but not its code,
@@ -191,6 +221,49 @@ def _raise_for(response, what: str) -> None:
     if err.code() == pb_utils.TritonError.INVALID_ARG:
         raise RequestError(err.message())
     raise PoolError(f"{what}: {err.message()}")
+
+
+def _raise_for_outputs(response, what: str) -> None:
+    """A failure a model behind us sent as outputs (failure_response)."""
+    kind = pb_utils.get_output_tensor_by_name(response, P.ERROR_KIND)
+    if kind is None or not (k := kind.as_numpy().reshape(-1)[0].decode()):
+        return
+    message = pb_utils.get_output_tensor_by_name(response, P.ERROR)
+    text = "" if message is None else message.as_numpy().reshape(-1)[0].decode("utf-8", "replace")
+    raise P.error_from_kind(k, text or "failed", what)
+
+
+def bls_stream(req, what: str, liveness_check_s: float = 1.0):
+    """The responses of a decoupled BLS call, every failure raised (Triton errors, failures
+    sent as outputs, the callee's process dying), acknowledgements included.
+
+    The response iterator blocks forever if the callee's process dies mid-stream, so it is
+    read on a helper thread while this one watches the process named by the WORKER_PID of
+    the callee's acknowledgement."""
+    try:
+        responses = req.exec(decoupled=True)
+    except pb_utils.TritonModelException as e:  # model missing, not ready
+        raise PoolError(f"{what}: {e}") from e
+    events: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(responses, events), daemon=True).start()
+    pid = 0
+    while True:
+        try:
+            response = events.get(timeout=liveness_check_s)
+        except queue.Empty:
+            if pid and not process_alive(pid):
+                raise PoolError(f"{what} worker {pid} died mid-request") from None
+            continue
+        if response is None:
+            return
+        if isinstance(response, Exception):
+            raise PoolError(f"{what}: {response}") from response
+        _raise_for(response, what)
+        _raise_for_outputs(response, what)
+        worker = pb_utils.get_output_tensor_by_name(response, P.WORKER_PID)
+        if worker is not None:
+            pid = int(worker.as_numpy().reshape(-1)[0])
+        yield response
 
 
 def _output(response, name: str) -> np.ndarray:
@@ -274,30 +347,16 @@ class BlsDecodePool:
             model_name=self.model_name,
             request_id=request_id,
             inputs=inputs,
-            requested_output_names=[P.TOKEN_IDS, P.FINISH_REASON, P.WORKER_PID],
+            requested_output_names=[
+                P.TOKEN_IDS,
+                P.FINISH_REASON,
+                P.WORKER_PID,
+                P.ERROR_KIND,
+                P.ERROR,
+            ],
+            parameters=BLS_PARAMETERS,
         )
-        try:
-            responses = req.exec(decoupled=True)
-        except pb_utils.TritonModelException as e:
-            raise PoolError(f"decode: {e}") from e
-        # The iterator blocks forever if the decode process dies mid-stream, so it is read on a
-        # helper thread while this one watches the worker's pid (sent in decode's first,
-        # token-less response).
-        events: queue.Queue = queue.Queue()
-        threading.Thread(target=_pump, args=(responses, events), daemon=True).start()
-        pid = 0
-        while True:
-            try:
-                response = events.get(timeout=self.liveness_check_s)
-            except queue.Empty:
-                if pid and not process_alive(pid):
-                    raise PoolError(f"decode worker {pid} died mid-request") from None
-                continue
-            if response is None:
-                return
-            if isinstance(response, Exception):
-                raise PoolError(f"decode: {response}") from response
-            _raise_for(response, "decode")
+        for response in bls_stream(req, "decode", self.liveness_check_s):
             if not response.output_tensors():  # the empty response that carries FINAL
                 continue
             reason = _output(response, P.FINISH_REASON)[0].decode()
@@ -336,9 +395,11 @@ def process_alive(pid: int) -> bool:
 class SenderSink:
     """Decode output of one request, sent through its Triton response sender."""
 
-    def __init__(self, sender, pid: int) -> None:
+    def __init__(self, sender, pid: int, to_bls: bool = False) -> None:
         self.sender = sender
         self.pid = pid
+        self.to_bls = to_bls  # failures as outputs (protocol.py): the caller is a BLS stream
+        self.num_sent = 0
 
     def send(self, token_ids: list[int], finish_reason: str | None) -> None:
         response = pb_utils.InferenceResponse(
@@ -349,9 +410,13 @@ class SenderSink:
             ]
         )
         self.sender.send(response, flags=FINAL if finish_reason is not None else 0)
+        self.num_sent += 1
 
     def fail(self, error: Exception) -> None:
-        self.sender.send(error_response(error), flags=FINAL)
+        """The final response of a failed request (errors after a first response to a BLS
+        caller travel as outputs)."""
+        as_outputs = self.to_bls and self.num_sent > 0
+        self.sender.send(failure_response(error, as_outputs), flags=FINAL)
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()
@@ -406,6 +471,9 @@ _ORCHESTRATOR_OUTPUTS = [
     P.NUM_OUTPUT_TOKENS,
     P.FINISH_REASON,
     P.SERVED_BY,
+    P.WORKER_PID,
+    P.ERROR_KIND,
+    P.ERROR,
 ]
 
 
@@ -435,13 +503,10 @@ class BlsLocalPipeline:
             request_id=request_id,
             inputs=inputs,
             requested_output_names=_ORCHESTRATOR_OUTPUTS,
+            parameters=BLS_PARAMETERS,
         )
         try:
-            responses = req.exec(decoupled=True)
-        except pb_utils.TritonModelException as e:
-            raise PoolError(f"{model}: {e}") from e
-        try:
-            yield from self._replies(model, responses)
+            yield from self._replies(model, bls_stream(req, model))
         finally:
             self.cancels.clear(request_id)  # a mark, if any, has done its work
 
@@ -450,9 +515,8 @@ class BlsLocalPipeline:
         from disagg.routing.router import RoutedReply
 
         for response in responses:
-            _raise_for(response, model)
-            if not response.output_tensors():
-                continue
+            if pb_utils.get_output_tensor_by_name(response, P.TEXT_OUTPUT) is None:
+                continue  # the acknowledgement, or the empty response that carries FINAL
             reason = _output(response, P.FINISH_REASON).reshape(-1)[0].decode()
             served = pb_utils.get_output_tensor_by_name(response, P.SERVED_BY)
             yield RoutedReply(
@@ -496,19 +560,26 @@ class _MetricsThread:
 
     def __init__(self) -> None:
         self.updates: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="metrics", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
-        while True:
-            family, labels, op, value = self.updates.get()
+        while (update := self.updates.get()) is not None:
+            family, labels, op, value = update
             try:
                 family.apply(labels, op, value)
             except Exception:  # metrics must never take the model down
                 _log.exception("metric %s: %s failed", family.spec.name, op)
 
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Apply what is queued, then end."""
+        self.updates.put(None)
+        self.thread.join(timeout_s)
+
 
 _metrics_thread: _MetricsThread | None = None
 _metrics_lock = threading.Lock()
+_families: list[Family] = []  # every Family of this process, for close_metrics
 
 
 def _submit(family, labels: dict, op: str, value: float) -> None:
@@ -518,6 +589,23 @@ def _submit(family, labels: dict, op: str, value: float) -> None:
             if _metrics_thread is None:
                 _metrics_thread = _MetricsThread()
     _metrics_thread.updates.put((family, labels, op, value))
+
+
+def close_metrics() -> None:
+    """Call from a model's finalize(): stop the metrics thread, then free every Metric and
+    MetricFamily while the stub can still talk to the server. Freed later, at interpreter
+    exit, their destructors reach for the stub's shared memory pool after it is gone: that
+    was the SIGSEGV ("segfault at 60 ... in triton_python_backend_stub") of every stub with
+    metrics at every server shutdown."""
+    global _metrics_thread
+    with _metrics_lock:
+        if _metrics_thread is not None:
+            _metrics_thread.stop()
+            _metrics_thread = None
+        for family in _families:
+            family.close()
+        _families.clear()
+    gc.collect()
 
 
 class Family:
@@ -531,10 +619,18 @@ class Family:
         # touched by the metrics thread only
         self.series: dict[tuple, object] = {}
         self.last_set: dict[tuple, float] = {}  # gauges: the value the server has
+        _families.append(self)
+
+    def close(self) -> None:
+        """Free the series, then the family (the order the Python backend asks for)."""
+        self.series.clear()
+        self.family = None
 
     def apply(self, labels: dict[str, str], op: str, value: float) -> None:
         """One update, on the metrics thread. A gauge set to the value it already has is not
         sent: decode sets its gauges after every step, and they rarely change."""
+        if self.family is None:  # closed: the model is finalizing
+            return
         key = tuple(sorted(labels.items()))
         if op == "set":
             if self.last_set.get(key) == value:
@@ -683,11 +779,20 @@ class RequestRunner:
     response of a reply."""
 
     def __init__(
-        self, decoupled: bool, max_concurrency: int, parse, run, respond, on_error=None
+        self,
+        decoupled: bool,
+        max_concurrency: int,
+        parse,
+        run,
+        respond,
+        on_error=None,
+        batched: bool = True,
     ) -> None:
         self.decoupled = decoupled
         self.parse, self.run, self.respond = parse, run, respond
         self.on_error = on_error  # called with the error kind of every failed request
+        self.batched = batched
+        self.pid = os.getpid()
         self.workers = ThreadPoolExecutor(max_concurrency, "requests")
 
     def execute(self, requests):
@@ -698,9 +803,12 @@ class RequestRunner:
             try:
                 req = self.parse(request)
             except Exception as e:
-                sender.send(self._error_response(e), flags=FINAL)
+                sender.send(self._error_response(e), flags=FINAL)  # a first response: arrives
                 continue
-            self.workers.submit(self._run_streaming, req, sender)
+            to_bls = is_bls_caller(request)
+            if to_bls:  # before the work can finish (a response after FINAL crashes Triton)
+                sender.send(ack_response(self.pid, self.batched))
+            self.workers.submit(self._run_streaming, req, sender, to_bls)
         return None
 
     def _run_sync(self, request):
@@ -709,7 +817,7 @@ class RequestRunner:
         except Exception as e:
             return self._error_response(e)
 
-    def _run_streaming(self, req, sender) -> None:
+    def _run_streaming(self, req, sender, to_bls: bool = False) -> None:
         try:
             final = self.run(
                 req, lambda reply: sender.send(self.respond(reply)), sender.is_cancelled
@@ -718,14 +826,14 @@ class RequestRunner:
         except Exception as e:
             _log.warning("request %s failed: %s", req.request_id, e)
             try:
-                sender.send(self._error_response(e), flags=FINAL)
+                sender.send(self._error_response(e, to_bls), flags=FINAL)
             except Exception:
                 _log.exception("request %s: could not report the failure", req.request_id)
 
-    def _error_response(self, exc: Exception):
+    def _error_response(self, exc: Exception, as_outputs: bool = False):
         if self.on_error is not None:
             self.on_error(error_kind(exc))
-        return error_response(exc)
+        return failure_response(exc, as_outputs, self.batched)
 
     def shutdown(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)

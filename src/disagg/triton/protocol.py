@@ -10,7 +10,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from disagg.errors import RequestError
+from disagg.errors import (
+    CapacityError,
+    DisaggError,
+    EngineDeadError,
+    PoolError,
+    RequestError,
+)
 from disagg.sequence import SamplingParams
 
 # ------------------------------------------------------------------ client-facing (ensemble)
@@ -85,6 +91,36 @@ SERVED_BY = "served_by"  # BYTES [1]: "disaggregated" | "colocated" | "fallback"
 ROUTE_TARGET = "route_target"  # BYTES [1]: the policy target that served the request
 ROUTE_REASON = "route_reason"  # BYTES [1]: rule name, "default", or why it fell back
 ERROR = "error"  # BYTES [1]: with finish_reason "error": what failed after text was sent
+
+# ------------------------------------------------------------------ failures inside a BLS stream
+# Triton 2.51 drops an error response that a decoupled model sends after its first response
+# when the caller is a BLS stream (the caller's response iterator waits forever; a client of
+# the HTTP/gRPC endpoints or an ensemble gets it). So a model called by another model is asked,
+# through a request parameter, to acknowledge at once (a response with WORKER_PID alone: the
+# process the caller watches) and to send a failure as the outputs of an ordinary final
+# response: ERROR_KIND (one of ERROR_KINDS) and ERROR (the message).
+CALLER_PARAM = "disagg_caller"  # request parameter; value BLS_CALLER
+BLS_CALLER = "bls"
+ERROR_KIND = "error_kind"  # BYTES [1]: "" on success
+INVALID_REQUEST, UNAVAILABLE, INTERNAL = "invalid_request", "unavailable", "internal"
+ERROR_KINDS = (INVALID_REQUEST, UNAVAILABLE, INTERNAL)
+
+
+def error_kind_of(exc: BaseException) -> str:
+    """The kind of a failure, as it travels between models and in metric labels."""
+    if isinstance(exc, RequestError):
+        return INVALID_REQUEST
+    if isinstance(exc, (CapacityError, PoolError, EngineDeadError)):
+        return UNAVAILABLE
+    return INTERNAL
+
+
+def error_from_kind(kind: str, message: str, where: str) -> DisaggError:
+    """The exception a caller raises for a failure a model behind it reported: a bad request
+    stays the client's error; anything else is the pool's, so the caller may route around it."""
+    if kind == INVALID_REQUEST:
+        return RequestError(message)
+    return PoolError(f"{where}: {message}")
 
 
 def sampling_to_json(params: SamplingParams) -> str:
