@@ -10,20 +10,32 @@ pytestmark = pytest.mark.unit
 
 
 class Scripted(sup.StubSupervisor):
-    def __init__(self, monkeypatch):
+    """Process counts, model states and instance counts as the test sets them; reloads and
+    server restarts are recorded, not done."""
+
+    def __init__(self, monkeypatch, instances=None):
+        self.wedged_calls: list[str] = []
         super().__init__(
-            server_pid=1, http_url="http://127.0.0.1:1", admin_header="k", admin_key="v"
+            server_pid=1,
+            http_url="http://127.0.0.1:1",
+            admin_header="k",
+            admin_key="v",
+            recover_timeout_s=60.0,
+            on_wedged=self.wedged_calls.append,
         )
-        self._short = Counter()
         self.live: Counter = Counter()
         self.ready: set[str] = set()
+        self.instances = instances or {}
         self.reloaded: list[str] = []
         monkeypatch.setattr(sup, "stub_models", lambda pid: self.live)
 
     def _ready_models(self):
         return self.ready
 
-    def _reload(self, model):
+    def _instances(self, model):
+        return self.instances.get(model, self.live[model])
+
+    def _start_reload(self, model):
         self.reloaded.append(model)
 
 
@@ -50,3 +62,57 @@ def test_a_model_an_operator_unloaded_is_left_alone(monkeypatch):
     s.ready, s.live = {"prefill"}, Counter(prefill=3)  # loaded again, with more instances
     s.check()
     assert s.expected["prefill"] == 3 and s.reloaded == []
+
+
+def test_a_stub_that_died_before_the_first_check_is_counted_from_the_config(monkeypatch):
+    s = Scripted(monkeypatch, instances={"decode": 1})
+    s.ready, s.live = {"decode"}, Counter()  # its only stub died before anyone looked
+    s.check(now=0)
+    assert s.expected == Counter(decode=1)
+    s.check(now=1)
+    s.check(now=2)
+    assert s.reloaded == ["decode"]
+
+
+def test_a_reload_that_brings_every_stub_back_ends_the_recovery(monkeypatch):
+    s = Scripted(monkeypatch)
+    s.ready, s.live = {"decode"}, Counter(decode=1)
+    s.check(now=0)
+    s.live = Counter()
+    s.check(now=1)
+    s.check(now=2)
+    assert s.recovering == {"decode": 62.0}
+    s.ready = set()  # unloading, then LOADING: not an operator's unload, still ours
+    s.check(now=3)
+    assert "decode" in s.expected and s.reloaded == ["decode"]
+    s.ready, s.live = {"decode"}, Counter(decode=1)
+    s.check(now=20)
+    assert s.recovering == {} and s.num_restarts == 1 and s.wedged is None
+    assert s.wedged_calls == []
+
+
+def test_a_wedged_reload_restarts_the_server_once(monkeypatch):
+    s = Scripted(monkeypatch)
+    s.ready, s.live = {"decode", "prefill"}, Counter(decode=1, prefill=1)
+    s.check(now=0)
+    s.live = Counter(prefill=1)
+    s.check(now=1)
+    s.check(now=2)
+    s.ready = {"prefill"}  # decode stays LOADING: its new stub hangs in its start
+    s.check(now=61)
+    assert s.wedged_calls == [] and s.wedged is None  # 59 s in: still waiting
+    s.check(now=63)
+    assert s.wedged_calls == ["decode"] and s.wedged == "decode"
+    s.check(now=70)
+    assert s.wedged_calls == ["decode"] and s.reloaded == ["decode"]  # nothing more
+
+
+def test_the_shared_memory_of_a_dead_stub_is_removed(tmp_path):
+    import os
+
+    (tmp_path / "region-a").write_bytes(b"x")
+    (tmp_path / "region-b").write_bytes(b"x")
+    # this test process has no stub children: every known region's stub is gone
+    live = sup.remove_stale_regions(os.getpid(), {"region-a"}, shm_dir=str(tmp_path))
+    assert live == set()
+    assert not (tmp_path / "region-a").exists() and (tmp_path / "region-b").exists()

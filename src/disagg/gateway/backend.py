@@ -97,6 +97,14 @@ class TritonBackend:
             )
         return self._client
 
+    async def is_server_ready(self) -> bool:
+        """Triton's own readiness: with --strict-readiness, every model is READY (a model
+        reloading after its stub died is not)."""
+        try:
+            return await self.client.is_server_ready()
+        except Exception:
+            return False
+
     async def is_ready(self, model: str) -> bool:
         try:
             return await self.client.is_model_ready(model)

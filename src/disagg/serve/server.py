@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import shutil
@@ -16,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disagg.errors import ConfigError
-from disagg.serve import triton_install
+from disagg.serve import procargs, triton_install
 from disagg.serve.render import render_repositories
 from disagg.serve.settings import ROOT, ServeSettings, template_values
 from disagg.serve.supervisor import StubSupervisor
 
+log = logging.getLogger("disagg.serve")
 ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
 ADMIN_HEADER = "admin-key"
 # Triton APIs that change or inspect the server beyond inference: behind the admin key.
@@ -41,6 +43,14 @@ def _stub_shm_regions(session: int) -> list[str]:
         if b"triton_python_backend_stub" in args[0] and len(args) > 2:
             regions.append(args[2].decode())
     return regions
+
+
+def _reap_children_automatically() -> None:
+    """In the tritonserver child, before exec: SIGCHLD ignored, so the kernel reaps its dead
+    children. Triton 2.51 does not wait for a stub that died (kill -9, segfault): each stayed
+    a zombie until the server exited. The disposition survives exec; a stub's own children
+    (none today) would be reaped the same way."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -127,8 +137,23 @@ class TritonServer:
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_reap_children_automatically,
         )
+        self._mask_admin_key()
         return self
+
+    def _mask_admin_key(self) -> None:
+        """The admin key is on tritonserver's command line (its only way in): overwrite it
+        there once Triton has parsed it, so `ps` does not show it (see procargs.py)."""
+        try:
+            procargs.mask_when(
+                self.proc.pid,
+                [self.admin_key],
+                is_parsed=lambda: self.proc.poll() is not None or self.log_path.stat().st_size > 0,
+            )
+        except OSError as e:  # e.g. a kernel that forbids writing a child's memory
+            if self.proc.poll() is None:
+                log.warning("could not hide the admin key from tritonserver's command line: %s", e)
 
     def is_ready(self) -> bool:
         try:
@@ -148,13 +173,25 @@ class TritonServer:
             if self.is_ready():
                 if self.supervisor is None:
                     self.supervisor = StubSupervisor(
-                        self.proc.pid, self.endpoints.http, ADMIN_HEADER, self.admin_key
+                        self.proc.pid,
+                        self.endpoints.http,
+                        ADMIN_HEADER,
+                        self.admin_key,
+                        recover_timeout_s=self.settings.recover_timeout_s,
+                        on_wedged=self._kill,
                     ).start()
                 return
             time.sleep(0.5)
         raise TimeoutError(
             f"tritonserver not ready after {timeout_s:.0f} s; log:\n{self.log_tail()}"
         )
+
+    def _kill(self, why: str = "") -> None:
+        """End the server at once, stubs and all (a wedged model cannot be unloaded): whoever
+        runs it sees it exit and starts it again (`disagg serve` does)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     def log_tail(self, lines: int = 40) -> str:
         try:

@@ -68,6 +68,9 @@ class ServeSettings:
     gateway_tpm: int = 1_000_000  # prompt + completion tokens per minute per key (0: no limit)
     gateway_max_body_bytes: int = 1 << 20
     gateway_timeout_s: float = 600.0  # one request, end to end
+    # a model whose stub died and that is not READY again this long after its reload began is
+    # given up on: the whole tritonserver is restarted (see serve/supervisor.py)
+    recover_timeout_s: float = 60.0
     build_dir: str = ".triton"  # rendered repositories, backend links, run files, logs
     log_verbose: int = 0
 

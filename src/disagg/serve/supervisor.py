@@ -2,29 +2,44 @@
 
 Triton 2.51 marks a dead stub "not healthy" and fails every later request to that model
 instance; it does not start a new one, and the model still reports READY. The supervisor
-counts each READY model's stub processes (children of tritonserver) and, when a model has had
-fewer than it had when it became ready for two checks in a row, reloads it through the
-repository API, which starts fresh stubs. A model an operator unloaded is not READY, so it is
-left alone (and counted afresh once it is loaded again).
+counts each READY model's stub processes (children of tritonserver) against the instances
+its config asks for and, when a model has had fewer for two checks in a row, reloads it
+through the repository API, which starts fresh stubs. A model an operator unloaded is not
+READY, so it is left alone (and counted afresh once it is loaded again).
+
+A reload can wedge: seen once in nine decode kills, the new stub hung in its start and the
+model stayed LOADING for good, with the load call and any later unload hanging too. So a
+reload runs on a thread of its own and has `recover_timeout_s` to bring the model back
+READY with all its stubs; past that the supervisor gives up on the model and calls
+`on_wedged`, which restarts the whole server (TritonServer kills it; `disagg serve` starts
+it again). Meanwhile the server is not ready (strict readiness), and so neither is the
+gateway's /ready.
+
+Each replaced stub is reaped by tritonserver itself; the shared memory region it leaves in
+/dev/shm is removed once the stub is gone (`remove_stale_regions`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
+import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("disagg.supervisor")
 STUB = "triton_python_backend_stub"
+SHM_PREFIX = "triton_python_backend_shm_region_"
 
 
-def stub_models(server_pid: int) -> Counter:
-    """Model name -> live stub processes of the tritonserver with `server_pid`."""
-    counts: Counter = Counter()
+def _stubs(server_pid: int) -> list[tuple[str, str]]:
+    """(model name, shared memory region) of each live stub of the server `server_pid`."""
+    stubs = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -36,9 +51,27 @@ def stub_models(server_pid: int) -> Counter:
             args = Path(entry.path, "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if len(args) > 1 and args[0].endswith(STUB.encode()):
-            counts[Path(args[1].decode()).parent.parent.name] += 1  # <repo>/<model>/<v>/model.py
-    return counts
+        if len(args) > 2 and args[0].endswith(STUB.encode()):
+            model = Path(args[1].decode()).parent.parent.name  # <repo>/<model>/<v>/model.py
+            stubs.append((model, args[2].decode()))
+    return stubs
+
+
+def stub_models(server_pid: int) -> Counter:
+    """Model name -> live stub processes of the tritonserver with `server_pid`."""
+    return Counter(model for model, _ in _stubs(server_pid))
+
+
+def remove_stale_regions(server_pid: int, known: set[str], shm_dir: str = "/dev/shm") -> set[str]:
+    """Remove the shared memory regions in `known` whose stub is gone; returns the regions
+    of the live stubs (the next call's `known`). A killed stub's 64 MiB region otherwise
+    stays on disk until the server exits."""
+    live = {region for _, region in _stubs(server_pid)}
+    for region in known - live:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(shm_dir, region))
+            log.info("removed the shared memory of a stub that died: %s", region)
+    return live
 
 
 class StubSupervisor:
@@ -49,50 +82,111 @@ class StubSupervisor:
         admin_header: str,
         admin_key: str,
         interval_s: float = 1.0,
+        recover_timeout_s: float = 60.0,
+        on_wedged: Callable[[str], None] | None = None,
     ) -> None:
         self.server_pid = server_pid
         self.http_url = http_url
         self.headers = {admin_header: admin_key}
         self.interval_s = interval_s
-        self.expected: Counter = Counter()
+        self.recover_timeout_s = recover_timeout_s
+        self.on_wedged = on_wedged
+        self.expected: Counter = Counter()  # READY python models -> stubs their config asks for
+        self.recovering: dict[str, float] = {}  # model -> monotonic deadline of its reload
         self.num_restarts = 0
+        self.wedged: str | None = None  # the model whose reload did not finish in time
+        self._short: Counter = Counter()  # checks in a row a model has been short of stubs
+        self._regions: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="stub-supervisor", daemon=True)
 
     def start(self) -> StubSupervisor:
-        self._short: Counter = Counter()  # checks in a row a model has been short of stubs
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self.check()
-            except OSError as e:  # the server is going away, or busy: try again next time
+                self._regions = remove_stale_regions(self.server_pid, self._regions)
+            except (OSError, ValueError) as e:  # the server is going away, or busy
                 log.debug("supervisor check failed: %s", e)
 
-    def check(self) -> None:
+    def check(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
         live = stub_models(self.server_pid)
+        self._check_recovering(live, now)
+        if self.wedged is not None:
+            return
         ready = self._ready_models()
         for model in list(self.expected):
-            if model not in ready:  # unloaded or loading: not ours to restart
+            if model not in ready and model not in self.recovering:  # an operator's unload
                 del self.expected[model]
                 self._short.pop(model, None)
         for model in ready:
+            if model in self.recovering:
+                continue
             if model not in self.expected:
-                if live[model]:  # python-backend models only (ensembles have no stub)
-                    self.expected[model] = live[model]
-            elif live[model] < self.expected[model]:
+                wanted = self._instances(model)
+                if wanted:  # python-backend models only (ensembles have no stub)
+                    self.expected[model] = wanted
+                continue
+            if live[model] < self.expected[model]:
                 self._short[model] += 1
-                if self._short[model] >= 2:
+                if self._short[model] >= 2:  # one short check may be a load in progress
                     self._short.pop(model)
-                    self._reload(model)
+                    self.recovering[model] = now + self.recover_timeout_s
+                    self._start_reload(model)
             else:
                 self._short.pop(model, None)
+
+    def _check_recovering(self, live: Counter, now: float) -> None:
+        for model, deadline in list(self.recovering.items()):
+            if live[model] >= self.expected[model] and model in self._ready_models():
+                del self.recovering[model]
+                self.num_restarts += 1
+                log.warning("model %r restarted", model)
+            elif now > deadline and self.wedged is None:
+                self.wedged = model
+                log.error(
+                    "model %r not back %.0f s after its restart began; restarting the server",
+                    model, self.recover_timeout_s,
+                )  # fmt: skip
+                if self.on_wedged is not None:
+                    self.on_wedged(model)
+
+    def _start_reload(self, model: str) -> None:
+        log.warning("a stub of model %r died; restarting the model", model)
+        threading.Thread(
+            target=self._reload, args=(model,), name=f"reload-{model}", daemon=True
+        ).start()
+
+    def _reload(self, model: str) -> None:
+        """Unload, then load (a plain load of an unchanged, loaded model is a no-op), each call
+        bounded by what is left of the model's recovery time."""
+        try:
+            for action in ("unload", "load"):
+                left = self.recovering.get(model, 0.0) - time.monotonic()
+                if left <= 0:
+                    return
+                self._repository(model, action, timeout_s=left)
+        except OSError as e:  # the deadline check in check() decides what follows
+            log.error("restarting %r failed: %s", model, e)
+
+    def _instances(self, model: str) -> int:
+        """How many stubs a model's config asks for: 0 for models without any."""
+        with urllib.request.urlopen(
+            f"{self.http_url}/v2/models/{model}/config", timeout=10
+        ) as r:  # fmt: skip
+            config = json.loads(r.read())
+        if config.get("backend") != "python":
+            return 0
+        return sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
 
     def _ready_models(self) -> set[str]:
         req = urllib.request.Request(
@@ -101,23 +195,12 @@ class StubSupervisor:
         with urllib.request.urlopen(req, timeout=10) as r:
             return {m["name"] for m in json.loads(r.read()) if m.get("state") == "READY"}
 
-    def _reload(self, model: str) -> None:
-        """Unload, then load: a plain load of an unchanged, loaded model is a no-op."""
-        log.warning("a stub of model %r died; restarting the model", model)
-        try:
-            self._repository(model, "unload")
-            self._repository(model, "load")
-            self.num_restarts += 1
-            log.warning("model %r restarted", model)
-        except OSError as e:
-            log.error("restarting %r failed: %s", model, e)
-
-    def _repository(self, model: str, action: str) -> None:
+    def _repository(self, model: str, action: str, timeout_s: float) -> None:
         req = urllib.request.Request(
             f"{self.http_url}/v2/repository/models/{model}/{action}",
             data=json.dumps({}).encode(),
             headers=self.headers,
             method="POST",
         )
-        with urllib.request.urlopen(req, timeout=300):
+        with urllib.request.urlopen(req, timeout=timeout_s):
             pass
