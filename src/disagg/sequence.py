@@ -56,7 +56,7 @@ class SamplingParams:
         ):
             raise RequestError(f"seed must be an integer in [0, 2**63-1], got {self.seed!r}")
         if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be token ids in [0, {vocab_size})")
+            raise RequestError(f"end_id (stop_token_ids) must be a token id in [0, {vocab_size})")
         if len(self.stop) > MAX_STOP_STRINGS or any(
             not isinstance(s, str) or not s for s in self.stop
         ):

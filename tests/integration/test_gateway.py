@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -163,21 +164,107 @@ def test_deprecated_models_and_versions_name_their_replacement(client):
     assert e.value.status_code == 410 and f"'{MODEL}:v1'" in e.value.message
 
 
-@pytest.mark.parametrize(
-    "body, headers, status",
-    [
-        (b"{not json", {}, 400),
-        (b"\xff\xfe\xfa", {}, 400),
-        (b'{"model": "x", "messages": "' + b"a" * (2 << 20) + b'"}', {}, 413),
-        (json.dumps({"messages": MESSAGES}).encode(), {}, 400),
-        (json.dumps({"model": MODEL, "messages": []}).encode(), {}, 400),
-        (json.dumps([1, 2]).encode(), {}, 400),
-    ],
-    ids=["invalid-json", "not-utf8", "huge", "no-model", "no-messages", "not-object"],
-)
-def test_malformed_bodies_get_4xx(gateway, body, headers, status):
-    code, _, err = raw(gateway, "/v1/chat/completions", body, headers)
-    assert code == status and err["error"]["message"]
+def _chat(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **fields}).encode()
+
+
+SURROGATE = b'"\\ud800"'  # JSON text for a lone surrogate: json.dumps would refuse to write it
+HOSTILE = {
+    "invalid-json": (b"{not json", 400, "not valid JSON"),
+    "not-utf8": (b"\xff\xfe\xfa", 400, "UTF-8"),
+    "huge": (b'{"model": "x", "messages": "' + b"a" * (2 << 20) + b'"}', 413, "over"),
+    "no-model": (json.dumps({"messages": MESSAGES}).encode(), 400, "model"),
+    "no-messages": (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "messages"),
+    "not-object": (json.dumps([1, 2]).encode(), 400, "JSON object"),
+    "surrogate-content": (
+        b'{"model": "%s", "messages": [{"role": "user", "content": %s}]}'
+        % (MODEL.encode(), SURROGATE),
+        400,
+        "surrogate",
+    ),
+    "surrogate-model": (b'{"model": %s, "messages": []}' % SURROGATE, 400, "surrogate"),
+    "surrogate-stop": (_chat()[:-1] + b', "stop": [%s]}' % SURROGATE, 400, "surrogate"),
+    "surrogate-task-type": (_chat()[:-1] + b', "task_type": %s}' % SURROGATE, 400, "surrogate"),
+    "priority-infinity": (_chat()[:-1] + b', "priority": Infinity}', 400, "priority"),
+    "priority-nan": (_chat()[:-1] + b', "priority": NaN}', 400, "priority"),
+    "priority-1e30": (_chat(priority=1e30), 400, "priority"),
+    "priority-2**40": (_chat(priority=2**40), 400, "priority"),
+    "sla-infinity": (_chat()[:-1] + b', "latency_sla_ms": Infinity}', 400, "latency_sla_ms"),
+    "task-type-object": (_chat(task_type={"a": 1}), 400, "task_type"),
+    "max-tokens-nan": (
+        _chat()[:-1].replace(b'"max_tokens": 4', b'"max_tokens": NaN') + b"}",
+        400,
+        "max_tokens",
+    ),
+    "temperature-infinity": (_chat()[:-1] + b', "temperature": -Infinity}', 400, "temperature"),
+    "deep-nesting": (
+        b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        400,
+        "nested",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_malformed_and_hostile_bodies_get_4xx_and_leave_nothing_behind(gateway, name):
+    body, status, says = HOSTILE[name]
+    url = gateway.url + "/metrics"
+    counted = scrape(url, "disagg_gateway_requests_total", status=str(status))
+    code, _, err = raw(gateway, "/v1/chat/completions", body)
+    assert code == status and says in err["error"]["message"], err
+    assert scrape(url, "disagg_gateway_inflight_requests") == 0
+    assert scrape(url, "disagg_gateway_requests_total", status=str(status)) == counted + 1
+
+
+def test_an_admin_weight_of_the_wrong_type_is_a_400(gateway):
+    for weight in ("0.5", [0.5], True, {"a": 1}):
+        code, _, err = admin(gateway, f"/admin/models/{MODEL}/versions/v2", {"weight": weight})
+        assert code == 400 and "weight" in err["error"]["message"], (weight, err)
+    code, _, err = admin(gateway, f"/admin/models/{MODEL}/versions/v2", {"state": ["canary"]})
+    assert code == 400 and "state" in err["error"]["message"]
+
+
+def test_a_body_that_stops_midway_gets_408_not_a_hang(gateway):
+    host, port = gateway.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer sk-test-beta\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 500\r\n\r\n" + b'{"model": "'
+        )
+        start = time.monotonic()
+        answer = sock.recv(4096).decode()
+    assert answer.startswith("HTTP/1.1 408"), answer
+    assert time.monotonic() - start < 20  # the body timeout is 10 s
+    assert scrape(gateway.url + "/metrics", "disagg_gateway_inflight_requests") == 0
+
+
+def test_a_client_leaving_a_non_streamed_request_cancels_it_cleanly(gateway, stack):
+    server = stack[0]
+    body = _chat(max_tokens=400, ignore_eos=True)
+    host, port = gateway.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer sk-test-beta\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    metric_becomes(server, "disagg_decode_active_sequences", 1.0, timeout_s=30)
+    sock.close()  # gone before the answer
+    url = gateway.url + "/metrics"
+    deadline = time.monotonic() + 15  # 400 tokens would take far longer
+    while metric(server, "disagg_decode_active_sequences") or scrape(
+        url, "disagg_gateway_inflight_requests"
+    ):
+        assert time.monotonic() < deadline, "request not cancelled after the client left"
+        time.sleep(0.2)
+    assert "RuntimeError" not in gateway.log_tail(200)
+    assert client_ok(gateway)
+
+
+def client_ok(gateway) -> bool:
+    code, _, reply = raw(gateway, "/v1/chat/completions", _chat())
+    return code == 200 and reply["usage"]["completion_tokens"] > 0
 
 
 def test_request_ids_flow_to_the_router_and_back(gateway, stack):

@@ -49,12 +49,36 @@ def request_id(request: Request) -> str:
 
 
 DRAIN_FACTOR = 16  # an oversized body up to this many times the limit is read and dropped
+BODY_TIMEOUT_S = 10.0  # a client has this long to send its whole body (slow or cut-off bodies)
 
 
-async def read_json(request: Request, limit: int) -> object:
+async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> object:
     """The body as JSON; over `limit` bytes, a 413. A body somewhat over the limit is read to
     its end (and dropped) before the answer: closing on a client still sending resets the
-    connection and the client never sees the 413. A much larger one is cut off."""
+    connection and the client never sees the 413. A much larger one is cut off. A body that
+    does not arrive within `timeout_s` (a client that stops mid-way) gets a 408."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            data = await _read_body(request, limit)
+    except TimeoutError:
+        raise APIError(
+            408, f"the request body did not arrive within {timeout_s:g} s", code="timeout"
+        ) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not valid UTF-8") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    _check_unicode(body)
+    return body
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     too_large = APIError(413, f"request body over {limit} bytes", code="request_too_large")
     size = int(request.headers.get("content-length") or 0)
     if size > limit * DRAIN_FACTOR:
@@ -68,14 +92,44 @@ async def read_json(request: Request, limit: int) -> object:
             data += chunk
     if received > limit:
         raise too_large
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise bad_request("the request body is not valid UTF-8") from None
-    try:
-        return json.loads(text)
-    except ValueError as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    return bytes(data)
+
+
+def _check_unicode(body: object) -> None:
+    """JSON's \\uXXXX escapes can spell a lone surrogate ("\\ud800"), which no UTF-8 text
+    holds: refuse it here rather than fail when the text is encoded for Triton."""
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request(
+                    "the request body holds a lone surrogate escape (such as \\ud800): "
+                    "not valid Unicode text"
+                ) from None
+
+
+class StreamCounted(StreamingResponse):
+    """A streamed reply whose `on_end` runs once it is over, also when its body never started
+    (Starlette then never runs the body's finally: a client that left before the first byte
+    leaked the in-flight gauge and left its request running)."""
+
+    def __init__(self, content, on_end, **kw) -> None:
+        super().__init__(content, **kw)
+        self.on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_end()
 
 
 class Gateway:
@@ -117,9 +171,12 @@ class Gateway:
     async def ready(self, request: Request) -> Response:
         models = {v.triton_model for m in self.cfg.registry.listed() for v in m.versions}
         states = {m: await self.cfg.backend.is_ready(m) for m in sorted(models)}
+        # the entry models can be READY while a model behind them (decode) is reloading
+        server = await self.cfg.backend.is_server_ready()
+        ready = server and all(states.values())
         return JSONResponse(
-            {"ready": all(states.values()), "triton_models": states},
-            status_code=200 if all(states.values()) else 503,
+            {"ready": ready, "triton_server": server, "triton_models": states},
+            status_code=200 if ready else 503,
         )
 
     async def models(self, request: Request) -> Response:
@@ -156,13 +213,22 @@ class Gateway:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def _generate(self, request: Request, kind: str) -> Response:
-        """Serve one request and count it: here when answered whole, at the end of the
-        stream otherwise."""
+        """Serve one request and count it: here when answered whole, when its stream ends
+        otherwise (a stream never started is counted by StreamCounted)."""
         m, start = self.metrics, time.perf_counter()
         labels = {"api": kind, "model": "unknown"}
         m.inflight.inc()
-        response = await self._serve(request, kind, labels, start)
-        if not isinstance(response, StreamingResponse):
+        try:
+            response = await self._serve(request, kind, labels, start)
+        except Exception:  # a bug of ours: a clear 500, counted, and the gauge kept true
+            log.exception("request failed")
+            self.metrics.error("server_error")
+            response = APIError(500, "internal error", "server_error").response()
+        except BaseException:  # cancelled: the client went away
+            m.inflight.dec()
+            m.finished(labels["api"], labels["model"], 499, time.perf_counter() - start)
+            raise
+        if not isinstance(response, StreamCounted):
             m.inflight.dec()
             m.finished(
                 labels["api"], labels["model"], response.status_code, time.perf_counter() - start
@@ -190,8 +256,9 @@ class Gateway:
             fingerprint = f"disagg-{model.name}-{version.name}"
             if req.stream:
                 first = await pieces.__anext__()  # errors before any output are HTTP errors
-                body = self._stream(req, rid, fingerprint, first, pieces, key, labels, start)
-                return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+                response = self._stream(req, rid, fingerprint, first, pieces, key, labels, start)
+                response.headers.update(headers)
+                return response
             return await self._complete(request, req, rid, fingerprint, pieces, key, headers)
         except APIError as e:
             log.info("request %s: %d %s", rid, e.status, e.message)
@@ -214,13 +281,18 @@ class Gateway:
             return text, last
 
         task = asyncio.ensure_future(collect())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await request.is_disconnected():
-                task.cancel()
-                await pieces.aclose()
-                log.info("request %s: client disconnected; cancelled", rid)
-                return Response(status_code=499)
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if not done and await request.is_disconnected():
+                    log.info("request %s: client disconnected; cancelling", rid)
+                    return Response(status_code=499)
+        finally:
+            if not task.done():  # stop reading before closing: aclose() on a generator that
+                task.cancel()  # another task is still inside raises RuntimeError
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await pieces.aclose()  # cancels the request in Triton
         text, last = task.result()
         if last is None or last.finish_reason is None:
             raise APIError(502, "the model ended without a finish reason", "server_error")
@@ -239,25 +311,50 @@ class Gateway:
         )
         return JSONResponse(body, headers=headers)
 
-    async def _stream(
-        self, req, rid, fingerprint, first: Piece, pieces, key, labels, start
-    ) -> AsyncIterator[bytes]:
-        n_in = n_out = 0
-        status, first_text = 200, True
+    def _stream(self, req, rid, fingerprint, first: Piece, pieces, key, labels, start):
+        """The SSE body and the bookkeeping that must run once when it ends, however it ends:
+        finished, failed, the client gone mid-stream, or gone before the first byte."""
+        ended = False
+        sent = {"n_in": 0, "n_out": 0, "status": 499}  # what a client that left had received
+
+        async def end() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            self.cfg.limiter.charge(key, sent["n_in"] + sent["n_out"])
+            self.metrics.inflight.dec()
+            self.metrics.finished(
+                labels["api"], labels["model"], sent["status"], time.perf_counter() - start
+            )
+            await pieces.aclose()  # last: a client that went away cancels its request in Triton
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in self._events(req, rid, fingerprint, first, pieces, labels,
+                                                start, sent):  # fmt: skip
+                    yield chunk
+            finally:
+                await end()
+
+        return StreamCounted(body(), end, media_type="text/event-stream")
+
+    async def _events(self, req, rid, fingerprint, first, pieces, labels, start, sent):
+        first_text = True
         try:
             if req.kind == "chat":
                 yield oa.sse(oa.chunk(req, rid, fingerprint, role=True))
             piece: Piece | None = first
             while piece is not None:
-                n_in, n_out = piece.num_input_tokens, piece.num_output_tokens
+                sent["n_in"], sent["n_out"] = piece.num_input_tokens, piece.num_output_tokens
                 if piece.finish_reason == "error":
                     err = APIError(
                         502, piece.extra.get("error") or "the model failed", "server_error"
                     )
-                    status = err.status
+                    sent["status"] = err.status
                     self.metrics.error(err.type)
                     yield oa.sse(err.body())
-                    break
+                    return
                 if piece.text:
                     yield oa.sse(oa.chunk(req, rid, fingerprint, text=piece.text))
                     if first_text:
@@ -268,21 +365,17 @@ class Gateway:
                 if piece.finish_reason is not None:
                     yield oa.sse(oa.chunk(req, rid, fingerprint, finish=piece.finish_reason))
                     if req.include_usage:
-                        yield oa.sse(oa.usage_chunk(req, rid, fingerprint, n_in, n_out))
+                        yield oa.sse(
+                            oa.usage_chunk(req, rid, fingerprint, sent["n_in"], sent["n_out"])
+                        )
                     break
                 piece = await anext(pieces, None)
+            sent["status"] = 200
             yield oa.sse("[DONE]")
         except APIError as e:
-            status = e.status
+            sent["status"] = e.status
             self.metrics.error(e.code or e.type)
             yield oa.sse(e.body())
-        finally:
-            await pieces.aclose()  # a client that went away cancels its request in Triton
-            self.cfg.limiter.charge(key, n_in + n_out)
-            self.metrics.inflight.dec()
-            self.metrics.finished(
-                labels["api"], labels["model"], status, time.perf_counter() - start
-            )
 
     # -------------------------------------------------------------- admin
 

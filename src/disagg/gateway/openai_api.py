@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from disagg.gateway.errors import bad_request, unsupported
 
 MAX_STOP = 4
-HINTS = {"latency_sla_ms": float, "task_type": str, "priority": int}  # disagg's extensions
+INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -41,6 +41,22 @@ def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False):
     if not lo <= value <= hi:
         raise bad_request(f"'{name}' must be between {lo:g} and {hi:g}, got {value}", name)
     return value
+
+
+def _hints(body: dict, inputs: dict) -> None:
+    """disagg's routing hints (extensions to OpenAI's body), checked as strictly as the rest:
+    the router's tensors are FP32 / INT32 / one string."""
+    sla = _number(body, "latency_sla_ms", 0, 1e9)
+    if sla is not None:
+        inputs["latency_sla_ms"] = float(sla)
+    priority = _number(body, "priority", -INT32_MAX, INT32_MAX, integer=True)
+    if priority is not None:
+        inputs["priority"] = priority
+    task_type = body.get("task_type")
+    if task_type is not None:
+        if not isinstance(task_type, str) or len(task_type) > 128:
+            raise bad_request("'task_type' must be a string of at most 128 characters", "task_type")
+        inputs["task_type"] = task_type
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
@@ -141,12 +157,7 @@ def parse_request(body: object, kind: str) -> GenRequest:
             raise bad_request(f"'stop' takes at most {MAX_STOP} sequences", "stop")
         if any(stops):
             inputs["stop_words"] = [s for s in stops if s]
-    for name, kind_ in HINTS.items():
-        if body.get(name) is not None:
-            try:
-                inputs[name] = kind_(body[name])
-            except (TypeError, ValueError):
-                raise bad_request(f"'{name}' must be a {kind_.__name__}", name) from None
+    _hints(body, inputs)
     ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: exactly max_tokens tokens
     if not isinstance(ignore_eos, bool):
         raise bad_request("'ignore_eos' must be a boolean", "ignore_eos")

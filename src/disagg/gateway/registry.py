@@ -67,9 +67,11 @@ def _version(model: str, raw) -> Version:
 
 
 def _check_version(where: str, v: Version) -> None:
-    if v.state not in STATES:
+    if not isinstance(v.state, str) or v.state not in STATES:
         raise ConfigError(f"{where}: state must be one of {STATES}, got {v.state!r}")
-    if not 0.0 <= v.weight <= 1.0:
+    if isinstance(v.weight, bool) or not isinstance(v.weight, int | float):
+        raise ConfigError(f"{where}: weight must be a number within 0..1, got {v.weight!r}")
+    if not 0.0 <= v.weight <= 1.0:  # NaN fails this too
         raise ConfigError(f"{where}: weight must be within 0..1, got {v.weight}")
 
 

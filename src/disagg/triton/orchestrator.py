@@ -24,7 +24,7 @@ import numpy as np
 
 from disagg.config import EngineConfig, ModelArgs
 from disagg.engine import validate_request
-from disagg.errors import PoolError
+from disagg.errors import PoolError, RequestError
 from disagg.sequence import FinishReason, SamplingParams
 from disagg.tokenizer import TextStream, Tokenizer
 from disagg.triton.conditional import CostModel, Load, LoadTracker
@@ -155,6 +155,14 @@ def build_request(
     """Client-facing fields (TensorRT-LLM ensemble names, already plain Python values) ->
     a validated-shape GenerateRequest. Semantic limits are checked by `check_request`."""
     prompt_ids = [int(t) for t in fields.get("input_ids", [])]
+    for name in ("max_tokens", "top_k", "end_id", "pad_id"):
+        if fields.get(name) is not None and int(fields[name]) < 0:
+            # Triton's HTTP endpoint stores a JSON number above 2**31-1 into the INT32 tensor
+            # modulo 2**32: 3e9 arrives as -1294967296; say so rather than echo that number
+            raise RequestError(
+                f"{name} must not be negative, got {fields[name]} (a number above "
+                "2147483647 wraps around to a negative one in Triton's INT32 inputs)"
+            )
     stop = tuple(s for s in fields.get("stop_words", []) if s)
     bad = tuple(tuple(tokenizer.encode(w)) for w in fields.get("bad_words", []) if w)
     stop_ids = () if fields.get("end_id") is None else (int(fields["end_id"]),)
