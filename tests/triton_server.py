@@ -74,3 +74,21 @@ def metric_becomes(server, name: str, value: float, timeout_s: float = 5.0, **la
         assert got == value, f"{name}{labels} = {got}, expected {value}"
 
     eventually(check, timeout_s)
+
+
+def admin_post(server, path: str, key: str | None) -> int:
+    """HTTP status of a POST to one of Triton's admin (repository) APIs, e.g.
+    "/v2/repository/models/prefill/unload", with `key` in the admin-key header."""
+    import urllib.error
+
+    req = urllib.request.Request(
+        f"{server.endpoints.http}{path}",
+        data=b"{}",
+        headers={"admin-key": key} if key else {},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code

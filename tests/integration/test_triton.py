@@ -7,12 +7,11 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from triton_server import metric
+from triton_server import admin_post, metric
 
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.sequence import SamplingParams
@@ -229,18 +228,7 @@ def test_wrong_dtype_over_grpc_is_refused(grpc):
 
 
 def _repository(server, model: str, action: str, key: str | None) -> int:
-    headers = {"admin-key": key} if key else {}
-    req = urllib.request.Request(
-        f"{server.endpoints.http}/v2/repository/models/{model}/{action}",
-        data=b"{}",
-        headers=headers,
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
+    return admin_post(server, f"/v2/repository/models/{model}/{action}", key)
 
 
 def test_prefill_pool_down_falls_back_to_decode_prefill(server, http, llm):
