@@ -57,6 +57,22 @@ def test_ps_does_not_show_the_admin_key(stack):
     assert admin_post(server, "/v2/repository/index", "*" * len(ADMIN)) != 200
 
 
+@pytest.mark.parametrize(
+    "model, body",
+    [
+        ("prefill", {"prompt_ids": [1, 2, 3], "sampling": "{}"}),
+        ("decode", {"prompt_ids": [1, 2, 3], "sampling": "{}"}),
+    ],
+)
+def test_internal_models_refuse_requests_from_clients(stack, model, body):
+    server, _ = stack
+    http = HttpClient(server.endpoints.http, timeout_s=30)
+    with pytest.raises(GenerateError) as err:
+        http.generate(model, body)
+    assert err.value.status == 400 and "internal" in str(err.value)
+    assert http.generate("router", {"text_input": "Hi", "max_tokens": 2}).num_output_tokens > 0
+
+
 class Outcomes:
     """What each request of a fault run got, and when it ended."""
 

@@ -41,6 +41,7 @@ class TritonPythonModel:
         for request in requests:
             sink = pb.SenderSink(request.get_response_sender(), self.pid, pb.is_bls_caller(request))
             try:
+                pb.check_internal(request, "decode")
                 rid = request.request_id() or uuid.uuid4().hex
                 f = pb.read_fields(request, {P.SAMPLING: "str"}, batched=False)
                 params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))

@@ -53,6 +53,7 @@ class TritonPythonModel:
 
     def _prefill(self, request, i: int):
         try:
+            pb.check_internal(request, "prefill")
             f = pb.read_fields(request, INPUTS, batched=False)
             params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
             start, start_wall_ns = time.perf_counter(), time.time_ns()

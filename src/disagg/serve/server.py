@@ -21,6 +21,7 @@ from disagg.serve import procargs, triton_install
 from disagg.serve.render import render_repositories
 from disagg.serve.settings import ROOT, ServeSettings, template_values
 from disagg.serve.supervisor import StubSupervisor
+from disagg.triton.protocol import TOKEN_ENV
 
 log = logging.getLogger("disagg.serve")
 ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
@@ -130,6 +131,7 @@ class TritonServer:
             template_values(self.settings, self.run_dir), self.build_dir / "repository"
         )
         env = triton_install.server_env(install, [ROOT / "src"])
+        env[TOKEN_ENV] = secrets.token_hex(16)  # the internal models' token (protocol.py)
         self.log_file = self.log_path.open("w")
         self.proc = subprocess.Popen(
             self.command(install, repos),

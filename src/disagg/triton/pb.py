@@ -8,6 +8,7 @@ Imported only inside a Triton Python backend stub (where the module exists).
 from __future__ import annotations
 
 import gc
+import hmac
 import json
 import logging
 import os
@@ -164,16 +165,33 @@ def error_kind(exc: Exception) -> str:
     return P.error_kind_of(exc)
 
 
-def is_bls_caller(request) -> bool:
-    """Whether another model of this server sent `request` over BLS (see protocol.py)."""
+def _request_parameters(request) -> dict:
     try:
         params = json.loads(request.parameters() or "{}")
     except (ValueError, TypeError):
-        return False
-    return isinstance(params, dict) and params.get(P.CALLER_PARAM) == P.BLS_CALLER
+        return {}
+    return params if isinstance(params, dict) else {}
 
 
-BLS_PARAMETERS = {P.CALLER_PARAM: P.BLS_CALLER}  # what a BLS call sends (is_bls_caller)
+def is_bls_caller(request) -> bool:
+    """Whether another model of this server sent `request` over BLS (see protocol.py)."""
+    return _request_parameters(request).get(P.CALLER_PARAM) == P.BLS_CALLER
+
+
+def check_internal(request, model: str) -> None:
+    """Refuse a request to an internal model that did not come from this server's own BLS
+    calls (it carries this server's token; see protocol.py)."""
+    token = os.environ.get(P.TOKEN_ENV, "")
+    given = str(_request_parameters(request).get(P.TOKEN_PARAM, ""))
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise RequestError(
+            f"'{model}' is internal to this server's pipeline and takes no requests from "
+            "clients: send them to 'router' (or 'ensemble'), or to the gateway"
+        )
+
+
+# what a BLS call sends (is_bls_caller, check_internal)
+BLS_PARAMETERS = {P.CALLER_PARAM: P.BLS_CALLER, P.TOKEN_PARAM: os.environ.get(P.TOKEN_ENV, "")}
 
 
 def ack_response(pid: int, batched: bool) -> pb_utils.InferenceResponse:
@@ -300,6 +318,7 @@ class BlsPrefillPool:
                 P.PREFILL_START_NS,
             ],
             timeout=self.timeout_us,
+            parameters=BLS_PARAMETERS,
         )
         try:
             response = req.exec()

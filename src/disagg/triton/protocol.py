@@ -101,6 +101,12 @@ ERROR = "error"  # BYTES [1]: with finish_reason "error": what failed after text
 # response: ERROR_KIND (one of ERROR_KINDS) and ERROR (the message).
 CALLER_PARAM = "disagg_caller"  # request parameter; value BLS_CALLER
 BLS_CALLER = "bls"
+# The internal models (prefill, decode) answer only BLS calls of their own server: the call
+# carries this server's token (request parameter TOKEN_PARAM), which `disagg serve` makes per
+# start and hands to tritonserver in the environment (readable by its owner alone, unlike
+# the command line). A request from Triton's HTTP/gRPC ports cannot know it.
+TOKEN_PARAM = "disagg_token"
+TOKEN_ENV = "DISAGG_INTERNAL_TOKEN"
 ERROR_KIND = "error_kind"  # BYTES [1]: "" on success
 INVALID_REQUEST, UNAVAILABLE, INTERNAL = "invalid_request", "unavailable", "internal"
 ERROR_KINDS = (INVALID_REQUEST, UNAVAILABLE, INTERNAL)
