@@ -101,14 +101,15 @@ class Outcomes:
         return {k: kinds.count(k) for k in ("completed", "error", "unclear", "hung")}
 
 
-def test_a_decode_crash_under_load_ends_every_request_on_every_entry_point(stack):
-    server, gateway = stack
+def _long_requests(server, gateway) -> dict:
+    """Eight long requests, two through each door: Triton's ensemble and router over HTTP
+    and gRPC, and the gateway's chat and completions, streamed and not."""
     http = HttpClient(server.endpoints.http, timeout_s=HUNG_S)
     oa = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=HUNG_S)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": LONG["text_input"]}]}
     extra = {"max_tokens": 300, "extra_body": {"ignore_eos": True}}
     grpcs = [GrpcClient(server.endpoints.grpc, timeout_s=HUNG_S) for _ in range(2)]
-    calls = {
+    return {
         "ensemble-http-stream": lambda: http.generate("ensemble", LONG, stream=True),
         "router-http-stream": lambda: http.generate("router", LONG, stream=True),
         "router-grpc-stream": lambda: grpcs[0].generate("router", LONG),
@@ -122,6 +123,24 @@ def test_a_decode_crash_under_load_ends_every_request_on_every_entry_point(stack
             model=MODEL, prompt=LONG["text_input"], **extra
         ),
     }
+
+
+def _serves_again(server, timeout_s: float = 120) -> None:
+    http = HttpClient(server.endpoints.http, timeout_s=20)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            assert http.generate("router", {"text_input": "Hi", "max_tokens": 4}).num_output_tokens
+            assert http.generate("ensemble", {"text_input": "Hi", "max_tokens": 4}).text
+            return
+        except (GenerateError, OSError):
+            assert time.monotonic() < deadline, "the pipeline never came back"
+            time.sleep(1)
+
+
+def test_a_decode_crash_under_load_ends_every_request_on_every_entry_point(stack):
+    server, gateway = stack
+    calls = _long_requests(server, gateway)
     (decode,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "decode"]
     region = _stub_table(server)[decode][1]
     out = Outcomes()
@@ -138,24 +157,37 @@ def test_a_decode_crash_under_load_ends_every_request_on_every_entry_point(stack
         assert re.search(r"decode worker \d+ died|unavailable", detail), (name, detail)
 
     # the supervisor brings decode back; every door serves again; nothing is left counted
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            r = http.generate("router", {"text_input": "Hi", "max_tokens": 4})
-            break
-        except GenerateError:
-            assert time.monotonic() < deadline, "decode never came back"
-            time.sleep(1)
-    assert r.num_output_tokens > 0
-    assert oa.chat.completions.create(**chat, max_tokens=4).usage.completion_tokens > 0
+    _serves_again(server)
     assert scrape(gateway.url + "/metrics", "disagg_gateway_inflight_requests") == 0
     metric_becomes(server, "disagg_decode_active_sequences", 0.0)
     # the dead stub's 64 MiB region is removed; it is no zombie either
     stubs = _stub_table(server)
     assert decode not in stubs and not Path("/dev/shm", region).exists()
     assert not _zombies(server.proc.pid)
-    for g in grpcs:
-        g.close()
+
+
+def test_an_orchestrator_crash_ends_router_and_gateway_requests_and_frees_decode(stack):
+    """Requests through the router (and so the gateway) end with a clear error. Those through
+    `ensemble` cannot: Triton's ensemble scheduler waits on a dead stub for good in 2.51
+    (docs/reliability.md), so they are not sent here. Decode must drop the dead caller's
+    sequences: their responses would pile up for a dead process until decode's sends block."""
+    server, gateway = stack
+    calls = {k: v for k, v in _long_requests(server, gateway).items() if "ensemble" not in k}
+    (victim,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "orchestrator"]
+    out = Outcomes()
+    threads = [out.run(name, call) for name, call in calls.items()]
+    metric_becomes(server, "disagg_decode_active_sequences", float(len(calls)), timeout_s=60)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(timeout=max(0.0, killed + HUNG_S - time.monotonic()))
+    assert out.counts(calls) == {"completed": 0, "error": len(calls), "unclear": 0, "hung": 0}
+    for name, (_, detail, ended) in out.got.items():
+        assert ended - killed < 5, f"{name} ended {ended - killed:.1f} s after the crash"
+        assert re.search(r"orchestrator worker \d+ died|unavailable", detail), (name, detail)
+    metric_becomes(server, "disagg_decode_active_sequences", 0.0, timeout_s=5)
+    _serves_again(server)
+    assert scrape(gateway.url + "/metrics", "disagg_gateway_inflight_requests") == 0
 
 
 def test_a_shutdown_crashes_no_stub_and_leaves_nothing_behind(stack):

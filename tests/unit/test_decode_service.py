@@ -92,3 +92,45 @@ def test_a_refused_request_was_acknowledged_then_raises():
         assert sink.events == [([], None)]  # the model then sends the error as the final one
     finally:
         service.stop()
+
+
+class CallerGoneSink(OrderSink):
+    """A request whose caller died after the acknowledgement: every later send refuses."""
+
+    def send(self, token_ids, finish_reason):
+        if token_ids or finish_reason is not None:
+            raise RuntimeError("the caller died")
+        super().send(token_ids, finish_reason)
+
+
+class BlockingSink(OrderSink):
+    """A send that never returns (a response queued for a dead BLS caller in Triton 2.51)."""
+
+    def send(self, token_ids, finish_reason):
+        if token_ids or finish_reason is not None:
+            threading.Event().wait()
+        super().send(token_ids, finish_reason)
+
+
+def test_a_request_whose_caller_died_is_finished_and_the_others_are_served():
+    engine = InstantEngine()
+    finished = []
+    engine.finish_request = lambda rid, reason=FinishReason.ABORT: finished.append(rid)
+    service = DecodeService(engine).start()
+    try:
+        gone, alive = CallerGoneSink(), OrderSink()
+        service.submit("gone", SamplingParams(max_tokens=1), gone, prompt_ids=[1])
+        service.submit("alive", SamplingParams(max_tokens=1), alive, prompt_ids=[1])
+        assert alive.done.wait(5) and alive.events == [([], None), ([7], "length")]
+        assert finished == ["gone"]
+    finally:
+        service.stop()
+
+
+def test_a_send_that_never_returns_trips_the_watchdog():
+    stuck = threading.Event()
+    service = DecodeService(
+        InstantEngine(), stuck_send_s=0.3, on_stuck=lambda s: stuck.set()
+    ).start()
+    service.submit("r", SamplingParams(max_tokens=1), BlockingSink(), prompt_ids=[1])
+    assert stuck.wait(5)  # in production: the process exits and the supervisor restarts it

@@ -39,7 +39,12 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sink = pb.SenderSink(request.get_response_sender(), self.pid, pb.is_bls_caller(request))
+            sink = pb.SenderSink(
+                request.get_response_sender(),
+                self.pid,
+                pb.is_bls_caller(request),
+                pb.CallerWatch.of(request),
+            )
             try:
                 pb.check_internal(request, "decode")
                 rid = request.request_id() or uuid.uuid4().hex

@@ -4,6 +4,7 @@ adds requests from another. No Triton here; responses leave through a `Sink` per
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -27,26 +28,46 @@ class Sink(Protocol):
     def is_cancelled(self) -> bool: ...
 
 
+def _exit_process(stuck_s: float) -> None:
+    log.critical("a response send has been stuck for %.0f s: exiting for a restart", stuck_s)
+    os._exit(70)
+
+
 class DecodeService:
+    """Steps the engine and delivers its output.
+
+    One send that never returns would stop every request of this instance: Triton 2.51 hands
+    a response to a BLS caller that died to its dead process, and the send can block for
+    good. Sinks refuse to send to a dead caller; as the backstop, a watchdog calls `on_stuck`
+    (default: exit the process, so the supervisor restarts the model and every caller sees
+    the death at once) when delivering has taken longer than `stuck_send_s`."""
+
     def __init__(
         self,
         engine: DecodeEngine,
         cancels: CancelRegistry | None = None,
         cancel_check_interval_s: float = 0.05,
         on_step=None,
+        stuck_send_s: float = 15.0,
+        on_stuck=_exit_process,
     ) -> None:
         self.engine = engine
         self.on_step = on_step  # called with engine.stats() after every step (metrics)
         self.cancels = cancels
         self.cancel_check_interval_s = cancel_check_interval_s
+        self.stuck_send_s = stuck_send_s
+        self.on_stuck = on_stuck
         self._sinks: dict[str, Sink] = {}
         self._wake = threading.Condition()
         self._stopped = False
+        self._delivering_since: float | None = None
         self.dead: Exception | None = None
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="decode-watchdog", daemon=True)
 
     def start(self) -> DecodeService:
         self._thread.start()
+        self._watchdog.start()
         return self
 
     def stop(self) -> None:
@@ -54,6 +75,14 @@ class DecodeService:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        while not self._stopped:
+            time.sleep(min(1.0, self.stuck_send_s / 4))
+            since = self._delivering_since
+            if since is not None and time.monotonic() - since > self.stuck_send_s:
+                self.on_stuck(time.monotonic() - since)
+                return
 
     def submit(
         self,
@@ -96,7 +125,9 @@ class DecodeService:
                 log.exception("decode engine died")
                 self._die(e)
                 return
+            self._delivering_since = time.monotonic()
             self._deliver(outputs)
+            self._delivering_since = None
             if self.on_step is not None:
                 try:
                     self.on_step(self.engine.stats())

@@ -160,8 +160,8 @@ def build_request(
             # Triton's HTTP endpoint stores a JSON number above 2**31-1 into the INT32 tensor
             # modulo 2**32: 3e9 arrives as -1294967296; say so rather than echo that number
             raise RequestError(
-                f"{name} must not be negative, got {fields[name]} (a number above "
-                "2147483647 wraps around to a negative one in Triton's INT32 inputs)"
+                f"{name} must not be negative, got {fields[name]} (if you sent a number "
+                "above 2147483647, Triton's INT32 input wrapped it around)"
             )
     stop = tuple(s for s in fields.get("stop_words", []) if s)
     bad = tuple(tuple(tokenizer.encode(w)) for w in fields.get("bad_words", []) if w)
@@ -254,6 +254,13 @@ class Orchestrator:
             handoff=handoff,
             prompt_ids=None if handoff else req.prompt_ids,
         )
+        try:
+            return self._decode_steps(req, out, text, handoff, timing, emit, is_cancelled, steps)
+        except BaseException:  # emit failed (the caller is gone) or decode did: stop decode
+            self.decode_pool.cancel(req.request_id)
+            raise
+
+    def _decode_steps(self, req, out, text, handoff, timing, emit, is_cancelled, steps) -> str:
         finish: str | None = None
         sent = time.perf_counter()
         for step in steps:

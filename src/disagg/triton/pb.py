@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -190,8 +191,40 @@ def check_internal(request, model: str) -> None:
         )
 
 
-# what a BLS call sends (is_bls_caller, check_internal)
-BLS_PARAMETERS = {P.CALLER_PARAM: P.BLS_CALLER, P.TOKEN_PARAM: os.environ.get(P.TOKEN_ENV, "")}
+# what a BLS call sends (is_bls_caller, check_internal, CallerWatch)
+BLS_PARAMETERS = {
+    P.CALLER_PARAM: P.BLS_CALLER,
+    P.TOKEN_PARAM: os.environ.get(P.TOKEN_ENV, ""),
+    P.CALLER_PID_PARAM: os.getpid(),
+}
+
+
+class CallerWatch:
+    """Whether the model process that sent a BLS request has died (protocol.py,
+    CALLER_PID_PARAM); pid 0 watches nothing. Asked before every send (a send to a caller
+    that died can block for good), so it reads /proc every time by default (~10 us)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.0) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self._next = 0.0
+        self._gone = False
+
+    @classmethod
+    def of(cls, request) -> CallerWatch:
+        try:
+            pid = int(_request_parameters(request).get(P.CALLER_PID_PARAM, 0))
+        except (TypeError, ValueError):
+            pid = 0
+        return cls(pid if is_bls_caller(request) else 0)
+
+    def gone(self) -> bool:
+        if self.pid and not self._gone:
+            now = time.monotonic()
+            if now >= self._next:
+                self._next = now + self.interval_s
+                self._gone = not process_alive(self.pid)
+        return self._gone
 
 
 def ack_response(pid: int, batched: bool) -> pb_utils.InferenceResponse:
@@ -414,13 +447,18 @@ def process_alive(pid: int) -> bool:
 class SenderSink:
     """Decode output of one request, sent through its Triton response sender."""
 
-    def __init__(self, sender, pid: int, to_bls: bool = False) -> None:
+    def __init__(
+        self, sender, pid: int, to_bls: bool = False, caller: CallerWatch | None = None
+    ) -> None:
         self.sender = sender
         self.pid = pid
         self.to_bls = to_bls  # failures as outputs (protocol.py): the caller is a BLS stream
+        self.caller = caller or CallerWatch(0)
         self.num_sent = 0
 
     def send(self, token_ids: list[int], finish_reason: str | None) -> None:
+        if self.caller.gone():  # DecodeService then finishes the request
+            raise PoolError(f"the caller (pid {self.caller.pid}) died")
         response = pb_utils.InferenceResponse(
             output_tensors=[
                 tensor(P.TOKEN_IDS, token_ids, np.int32),
@@ -438,7 +476,7 @@ class SenderSink:
         self.sender.send(failure_response(error, as_outputs), flags=FINAL)
 
     def is_cancelled(self) -> bool:
-        return self.sender.is_cancelled()
+        return self.caller.gone() or self.sender.is_cancelled()
 
 
 def read_kv_handoff(request, request_id: str):
@@ -827,7 +865,7 @@ class RequestRunner:
             to_bls = is_bls_caller(request)
             if to_bls:  # before the work can finish (a response after FINAL crashes Triton)
                 sender.send(ack_response(self.pid, self.batched))
-            self.workers.submit(self._run_streaming, req, sender, to_bls)
+            self.workers.submit(self._run_streaming, req, sender, to_bls, CallerWatch.of(request))
         return None
 
     def _run_sync(self, request):
@@ -836,14 +874,24 @@ class RequestRunner:
         except Exception as e:
             return self._error_response(e)
 
-    def _run_streaming(self, req, sender, to_bls: bool = False) -> None:
+    def _run_streaming(self, req, sender, to_bls: bool = False, caller=None) -> None:
+        caller = caller or CallerWatch(0)
+
+        def emit(reply) -> None:
+            if caller.gone():  # stop here: the responses would pile up for a dead process
+                raise PoolError(f"the caller (pid {caller.pid}) died")
+            sender.send(self.respond(reply))
+
         try:
-            final = self.run(
-                req, lambda reply: sender.send(self.respond(reply)), sender.is_cancelled
-            )
+            final = self.run(req, emit, lambda: caller.gone() or sender.is_cancelled())
+            if caller.gone():
+                _log.warning("request %s: its caller died; dropped", req.request_id)
+                return
             sender.send(self.respond(final), flags=FINAL)
         except Exception as e:
             _log.warning("request %s failed: %s", req.request_id, e)
+            if caller.gone():
+                return
             try:
                 sender.send(self._error_response(e, to_bls), flags=FINAL)
             except Exception:

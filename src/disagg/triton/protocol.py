@@ -106,6 +106,11 @@ BLS_CALLER = "bls"
 # start and hands to tritonserver in the environment (readable by its owner alone, unlike
 # the command line). A request from Triton's HTTP/gRPC ports cannot know it.
 TOKEN_PARAM = "disagg_token"
+# The caller's pid (request parameter): a callee stops a request whose caller died. Triton
+# 2.51 neither cancels a dead stub's BLS requests nor drops their responses: they queue up
+# for the dead process until the callee's send blocks (a killed orchestrator stalled
+# decode's engine loop, and with it every other request, for good).
+CALLER_PID_PARAM = "disagg_caller_pid"
 TOKEN_ENV = "DISAGG_INTERNAL_TOKEN"
 ERROR_KIND = "error_kind"  # BYTES [1]: "" on success
 INVALID_REQUEST, UNAVAILABLE, INTERNAL = "invalid_request", "unavailable", "internal"
