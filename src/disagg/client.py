@@ -95,8 +95,8 @@ class HttpClient:
                     if not line.startswith(b"data:"):
                         continue
                     out = json.loads(line[5:])
-                    if "error" in out:
-                        raise GenerateError(out["error"])
+                    if "error" in out and "text_output" not in out:  # Triton's error event
+                        raise GenerateError(out["error"])  # (the router's final has `error` too)
                     _absorb(result, out, start, on_delta)
                     result.extra = out
         except urllib.error.HTTPError as e:

@@ -163,6 +163,8 @@ def test_by_default_the_router_serves_what_the_ensemble_serves(grpc, http):
     assert routed.text == http.generate("ensemble", chat()).text
     assert route(routed) == ("local", "default", "disaggregated")
     assert http.generate("router", chat()).text == routed.text  # generate endpoint, too
+    streamed = http.generate("router", chat(), stream=True)  # and generate_stream, whose
+    assert streamed.text == routed.text  # final event carries an empty `error`
 
 
 def test_router_sync_answers_kserve_infer(server, http):
