@@ -182,6 +182,8 @@ def test_cancelled_stream_frees_its_decode_slot(server, grpc, http):
         (chat("Hi", 8, top_p=5.0), "top_p"),
         (chat("Hi", 8, top_k=-3), "top_k"),
         (chat("Hi", 8, temperature=-1.0), "temperature"),
+        (chat("Hi", 3_000_000_000), "above 2147483647"),  # Triton wraps it into INT32
+        (chat("Hi", 4, end_id=1_000_000), "end_id"),
         ({"text_input": "", "messages": '[{"role": "robot"}]', "max_tokens": 4}, "role"),
         ({"text_input": "", "messages": "not json", "max_tokens": 4}, "not valid JSON"),
     ],

@@ -10,15 +10,16 @@ from disagg.cancel import CancelRegistry
 from disagg.engine import DecodeEngine
 from disagg.model import Llama
 from disagg.tokenizer import Tokenizer
-from disagg.triton import pb
+from disagg.triton import bls, pb, pb_metrics
 from disagg.triton import protocol as P
 from disagg.triton.decode_service import DecodeService
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        pb.configure_logging()
         p = pb.model_parameters(args)
-        self.metrics = pb.DecodeMetrics(args["model_name"], args["model_instance_name"])
+        self.metrics = pb_metrics.DecodeMetrics(args["model_name"], args["model_instance_name"])
         if p.get("engine_backend", "pytorch") == "tensorrt_llm":
             from disagg.trtllm.runtime import decode_engine
 
@@ -39,18 +40,18 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sink = pb.SenderSink(
+            sink = bls.SenderSink(
                 request.get_response_sender(),
                 self.pid,
-                pb.is_bls_caller(request),
-                pb.CallerWatch.of(request),
+                bls.is_bls_caller(request),
+                bls.CallerWatch.of(request),
             )
             try:
-                pb.check_internal(request, "decode")
+                bls.check_internal(request, "decode")
                 rid = request.request_id() or uuid.uuid4().hex
                 f = pb.read_fields(request, {P.SAMPLING: "str"}, batched=False)
                 params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
-                prefill, prompt_ids = pb.read_kv_handoff(request, rid)
+                prefill, prompt_ids = bls.read_kv_handoff(request, rid)
                 self.service.submit(rid, params, sink, prefill=prefill, prompt_ids=prompt_ids)
             except Exception as e:
                 sink.fail(e)
@@ -58,4 +59,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.service.stop()
-        pb.close_metrics()  # before the stub exits (see pb.close_metrics)
+        pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)

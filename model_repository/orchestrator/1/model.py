@@ -12,7 +12,7 @@ from pathlib import Path
 from disagg.cancel import CancelRegistry
 from disagg.config import load_model_args
 from disagg.tokenizer import Tokenizer
-from disagg.triton import pb
+from disagg.triton import bls, pb, pb_metrics, runner
 from disagg.triton import protocol as P
 from disagg.triton.conditional import CostModel, CostParams
 from disagg.triton.orchestrator import Orchestrator, build_request
@@ -30,7 +30,7 @@ class TritonPythonModel:
         self.max_tokens_default = int(p["max_tokens_default"])
         config = pb.engine_config(p)
         cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
-        metrics = pb.OrchestratorMetrics(args["model_name"])
+        metrics = pb_metrics.OrchestratorMetrics(args["model_name"])
         cost = CostParams(
             remote_stall=float(p["conditional_remote_stall"]),
             prefill_instances=int(p["prefill_instances"]),
@@ -39,13 +39,13 @@ class TritonPythonModel:
             self.tokenizer,
             load_model_args(p["engine_dir"]),
             config,
-            prefill_pool=pb.BlsPrefillPool(p["prefill_model"], float(p["prefill_timeout_s"])),
-            decode_pool=pb.BlsDecodePool(p["decode_model"], cancels),
+            prefill_pool=bls.BlsPrefillPool(p["prefill_model"], float(p["prefill_timeout_s"])),
+            decode_pool=bls.BlsDecodePool(p["decode_model"], cancels),
             mode=p["mode"],
             events=metrics,
             cost_model=CostModel(cost),
         )
-        self.runner = pb.RequestRunner(
+        self.runner = runner.RequestRunner(
             self.decoupled,
             int(p["max_concurrency"]),
             parse=self._parse,
@@ -69,4 +69,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.runner.shutdown()
-        pb.close_metrics()  # before the stub exits (see pb.close_metrics)
+        pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)

@@ -13,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 from disagg.engine import PrefillEngine
 from disagg.model import Llama
 from disagg.sequence import SamplingParams
-from disagg.triton import pb
+from disagg.triton import bls, pb
 from disagg.triton import protocol as P
 
 INPUTS = {P.PROMPT_IDS: "ints", P.SAMPLING: "str"}
@@ -21,6 +21,7 @@ INPUTS = {P.PROMPT_IDS: "ints", P.SAMPLING: "str"}
 
 class TritonPythonModel:
     def initialize(self, args):
+        pb.configure_logging()
         p = pb.model_parameters(args)
         self.pid = os.getpid()
         self.trtllm = None
@@ -53,7 +54,7 @@ class TritonPythonModel:
 
     def _prefill(self, request, i: int):
         try:
-            pb.check_internal(request, "prefill")
+            bls.check_internal(request, "prefill")
             f = pb.read_fields(request, INPUTS, batched=False)
             params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
             start, start_wall_ns = time.perf_counter(), time.time_ns()

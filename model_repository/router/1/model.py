@@ -13,7 +13,7 @@ from disagg.routing.policy import PolicySource
 from disagg.routing.request import build_route_request
 from disagg.routing.router import Router
 from disagg.tokenizer import Tokenizer
-from disagg.triton import pb
+from disagg.triton import bls, pb, pb_metrics, runner
 from disagg.triton import protocol as P
 
 INPUTS = {
@@ -38,11 +38,11 @@ class TritonPythonModel:
         self.max_tokens_default = int(p["max_tokens_default"])
         self.router = Router(
             PolicySource(p["policy"]),  # an invalid policy fails the model load, loudly
-            pb.BlsLocalPipeline(CancelRegistry(Path(p["run_dir"]) / "cancel")),
+            bls.BlsLocalPipeline(CancelRegistry(Path(p["run_dir"]) / "cancel")),
             count_tokens=lambda text: len(self.tokenizer.encode(text)),
-            events=pb.RouterMetrics(),
+            events=pb_metrics.RouterMetrics(),
         )
-        self.runner = pb.RequestRunner(
+        self.runner = runner.RequestRunner(
             self.decoupled,
             int(p["max_concurrency"]),
             parse=self._parse,
@@ -67,4 +67,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.runner.shutdown()
-        pb.close_metrics()  # before the stub exits (see pb.close_metrics)
+        pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)

@@ -48,7 +48,7 @@ class DecodeService:
         cancels: CancelRegistry | None = None,
         cancel_check_interval_s: float = 0.05,
         on_step=None,
-        stuck_send_s: float = 15.0,
+        stuck_send_s: float = 5.0,  # a healthy send takes well under a millisecond
         on_stuck=_exit_process,
     ) -> None:
         self.engine = engine

@@ -1,0 +1,27 @@
+"""Whether another process on this host is alive, from /proc (no Triton, no psutil)."""
+
+from __future__ import annotations
+
+PF_EXITING = 0x4  # the kernel's per-task flag, set when do_exit() begins
+SIGKILL_BIT = 1 << (9 - 1)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process on this host is running and not on its way out: a zombie, a
+    process in its exit path (that of a stub with gigabytes mapped takes a while), or one
+    with a SIGKILL pending counts as dead. A response sent to a stub in that window is never
+    read, and the send can block."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X") or int(fields[6]) & PF_EXITING:  # field 9: flags
+            return False
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("ShdPnd:", "SigPnd:")) and int(line.split()[1], 16) & (
+                    SIGKILL_BIT
+                ):
+                    return False
+        return True
+    except (OSError, ValueError, IndexError):
+        return False

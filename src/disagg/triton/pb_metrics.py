@@ -1,0 +1,222 @@
+"""disagg's metrics (disagg.metrics) on Triton's metrics port, from inside a model process."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import queue
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+from disagg import metrics as M
+
+_log = logging.getLogger("disagg.triton")
+
+
+def _family_kind(kind: str):
+    # looked up late: the stub that auto-completes configs has no MetricFamily
+    return getattr(pb_utils.MetricFamily, kind.upper())
+
+
+class _MetricsThread:
+    """Applies every metric update of this model process on one thread, in order.
+
+    Each update is a synchronous message from the stub to the server. Made from many request
+    threads at once (one histogram observation per token), they crashed Triton 2.51's Python
+    backend (SIGSEGV in libtriton_python.so under 8 concurrent streams); one thread also keeps
+    that round trip off the request path. Updates land a moment after they are made."""
+
+    def __init__(self) -> None:
+        self.updates: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="metrics", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (update := self.updates.get()) is not None:
+            family, labels, op, value = update
+            try:
+                family.apply(labels, op, value)
+            except Exception:  # metrics must never take the model down
+                _log.exception("metric %s: %s failed", family.spec.name, op)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Apply what is queued, then end."""
+        self.updates.put(None)
+        self.thread.join(timeout_s)
+
+
+_metrics_thread: _MetricsThread | None = None
+_metrics_lock = threading.Lock()
+_families: list[Family] = []  # every Family of this process, for close_metrics
+
+
+def _submit(family, labels: dict, op: str, value: float) -> None:
+    global _metrics_thread
+    if _metrics_thread is None:
+        with _metrics_lock:
+            if _metrics_thread is None:
+                _metrics_thread = _MetricsThread()
+    _metrics_thread.updates.put((family, labels, op, value))
+
+
+def close_metrics() -> None:
+    """Call from a model's finalize(): stop the metrics thread, then free every Metric and
+    MetricFamily while the stub can still talk to the server. Freed later, at interpreter
+    exit, their destructors reach for the stub's shared memory pool after it is gone: that
+    was the SIGSEGV ("segfault at 60 ... in triton_python_backend_stub") of every stub with
+    metrics at every server shutdown."""
+    global _metrics_thread
+    with _metrics_lock:
+        if _metrics_thread is not None:
+            _metrics_thread.stop()
+            _metrics_thread = None
+        for family in _families:
+            family.close()
+        _families.clear()
+    gc.collect()
+
+
+class Family:
+    """One metric of disagg.metrics on Triton's metrics port. Label sets are created on first
+    use (their values come from small closed sets); `fixed` labels go on every series."""
+
+    def __init__(self, metric: M.Metric, **fixed: str) -> None:
+        self.spec = metric
+        self.fixed = fixed
+        self.family = pb_utils.MetricFamily(metric.name, metric.help, _family_kind(metric.kind))
+        # touched by the metrics thread only
+        self.series: dict[tuple, object] = {}
+        self.last_set: dict[tuple, float] = {}  # gauges: the value the server has
+        _families.append(self)
+
+    def close(self) -> None:
+        """Free the series, then the family (the order the Python backend asks for)."""
+        self.series.clear()
+        self.family = None
+
+    def apply(self, labels: dict[str, str], op: str, value: float) -> None:
+        """One update, on the metrics thread. A gauge set to the value it already has is not
+        sent: decode sets its gauges after every step, and they rarely change."""
+        if self.family is None:  # closed: the model is finalizing
+            return
+        key = tuple(sorted(labels.items()))
+        if op == "set":
+            if self.last_set.get(key) == value:
+                return
+            self.last_set[key] = value
+        series = self.series.get(key)
+        if series is None:
+            extra = {"buckets": list(self.spec.buckets)} if self.spec.buckets else {}
+            series = self.series[key] = self.family.Metric(labels=labels, **extra)
+        getattr(series, op)(value)
+
+    def inc(self, value: float = 1.0, **labels: str) -> None:
+        if value:
+            _submit(self, {**self.fixed, **labels}, "increment", value)
+
+    def set(self, value: float, **labels: str) -> None:
+        _submit(self, {**self.fixed, **labels}, "set", value)
+
+    def observe(self, value: float, **labels: str) -> None:
+        _submit(self, {**self.fixed, **labels}, "observe", value)
+
+
+class RouterMetrics:
+    """The router's counters, on Triton's metrics port (implements RouterEvents)."""
+
+    def __init__(self) -> None:
+        self.requests = Family(M.ROUTER_REQUESTS)
+        self.fallbacks = Family(M.ROUTER_FALLBACKS)
+        self.retries = Family(M.ROUTER_RETRIES)
+        self.endpoint_errors = Family(M.ROUTER_ENDPOINT_ERRORS)
+
+    def decision(self, target: str, reason: str) -> None:
+        self.requests.inc(target=target, reason=reason)
+
+    def fallback(self, planned: str, cause: str) -> None:
+        self.fallbacks.inc(target=planned, cause=cause)
+
+    def retry(self, endpoint: str) -> None:
+        self.retries.inc(endpoint=endpoint)
+
+    def endpoint_error(self, endpoint: str, kind: str) -> None:
+        self.endpoint_errors.inc(endpoint=endpoint, kind=kind)
+
+
+class OrchestratorMetrics:
+    """The orchestrator's histograms and counters (implements OrchestratorEvents)."""
+
+    def __init__(self, model: str) -> None:
+        f = {"model": model}
+        self.ttft, self.itl, self.e2e = Family(M.TTFT, **f), Family(M.ITL, **f), Family(M.E2E, **f)
+        self.requests, self.errors = Family(M.REQUESTS, **f), Family(M.ERRORS, **f)
+        self.queue, self.prefill_s = Family(M.QUEUE), Family(M.PREFILL)
+        self.kv_bytes, self.kv_s = Family(M.KV_BYTES, **f), Family(M.KV_SECONDS, **f)
+        self.decisions = Family(M.DECISIONS, **f)
+        self.prefill_queue = Family(M.PREFILL_QUEUE_TOKENS, **f)
+
+    def first_token(self, served_by: str, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s, served_by=served_by)
+
+    def token_gap(self, served_by: str, itl_s: float, num_tokens: int) -> None:
+        for _ in range(num_tokens):
+            self.itl.observe(itl_s, served_by=served_by)
+
+    def finished(self, served_by: str, finish_reason: str, e2e_s: float) -> None:
+        self.e2e.observe(e2e_s, served_by=served_by)
+        self.requests.inc(served_by=served_by, finish_reason=finish_reason)
+
+    def prefill(self, queue_s: float, compute_s: float) -> None:
+        self.queue.observe(queue_s, pool="prefill")
+        self.prefill_s.observe(compute_s, pool="prefill")
+
+    def kv_handoff(self, num_bytes: int, seconds: float) -> None:
+        self.kv_bytes.observe(num_bytes)
+        self.kv_s.observe(seconds)
+
+    def decision(self, remote: bool, reason: str) -> None:
+        self.decisions.inc(prefill="remote" if remote else "local", reason=reason)
+
+    def error(self, stage: str, kind: str) -> None:
+        self.errors.inc(stage=stage, kind=kind)
+
+    def load(self, load) -> None:
+        self.prefill_queue.set(load.prefill_queue_tokens)
+
+
+class DecodeMetrics:
+    """One decode instance's gauges, updated after every engine step, and its queue and
+    co-located prefill histograms (DecodeService's on_step and on_admit hooks)."""
+
+    def __init__(self, model: str, instance: str) -> None:
+        f = {"model": model, "instance": instance}
+        self.active, self.batch = Family(M.DECODE_ACTIVE, **f), Family(M.DECODE_BATCH, **f)
+        self.waiting, self.kv = Family(M.DECODE_WAITING, **f), Family(M.DECODE_KV_BYTES, **f)
+        self.kv_capacity, self.steps = (
+            Family(M.DECODE_KV_CAPACITY, **f),
+            Family(M.DECODE_STEPS, **f),
+        )
+        self.queue, self.prefill_s = Family(M.QUEUE), Family(M.PREFILL)
+        self.last_steps = 0
+
+    def on_step(self, stats: dict) -> None:
+        """Gauges from DecodeEngine.stats(); an engine that lacks a figure leaves it out."""
+        running, waiting = stats.get("num_running", 0), stats.get("num_waiting", 0)
+        self.active.set(running + waiting)
+        self.batch.set(running)
+        self.waiting.set(waiting)
+        for family, key in (
+            (self.kv, "kv_bytes_reserved"),
+            (self.kv_capacity, "kv_bytes_capacity"),
+        ):
+            if key in stats:
+                family.set(stats[key])
+        if "num_steps" in stats:
+            self.steps.inc(stats["num_steps"] - self.last_steps)
+            self.last_steps = stats["num_steps"]
+
+    def on_admit(self, queue_s: float, prefill_s: float | None) -> None:
+        self.queue.observe(queue_s, pool="decode")
+        if prefill_s is not None:
+            self.prefill_s.observe(prefill_s, pool="decode")

@@ -1,0 +1,93 @@
+"""How a BLS entry model (orchestrator, router) serves its requests on a thread pool."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from disagg.errors import PoolError
+from disagg.triton.bls import CallerWatch, ack_response, failure_response, is_bls_caller
+from disagg.triton.pb import FINAL, error_kind
+
+_log = logging.getLogger("disagg.triton")
+
+
+class RequestRunner:
+    """How a BLS entry model (orchestrator, router) serves its requests on a thread pool.
+
+    Decoupled: each request is parsed at once (a bad one is answered with its error) and
+    then run in the pool, streaming through its response sender. Not decoupled: the batch
+    Triton hands over is run in parallel and answered with one response per request.
+    `run(req, emit, is_cancelled)` returns the final reply; `respond(reply)` makes a
+    response of a reply."""
+
+    def __init__(
+        self,
+        decoupled: bool,
+        max_concurrency: int,
+        parse,
+        run,
+        respond,
+        on_error=None,
+        batched: bool = True,
+    ) -> None:
+        self.decoupled = decoupled
+        self.parse, self.run, self.respond = parse, run, respond
+        self.on_error = on_error  # called with the error kind of every failed request
+        self.batched = batched
+        self.pid = os.getpid()
+        self.workers = ThreadPoolExecutor(max_concurrency, "requests")
+
+    def execute(self, requests):
+        if not self.decoupled:
+            return list(self.workers.map(self._run_sync, requests))
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                req = self.parse(request)
+            except Exception as e:
+                sender.send(self._error_response(e), flags=FINAL)  # a first response: arrives
+                continue
+            to_bls = is_bls_caller(request)
+            if to_bls:  # before the work can finish (a response after FINAL crashes Triton)
+                sender.send(ack_response(self.pid, self.batched))
+            self.workers.submit(self._run_streaming, req, sender, to_bls, CallerWatch.of(request))
+        return None
+
+    def _run_sync(self, request):
+        try:
+            return self.respond(self.run(self.parse(request), lambda reply: None, lambda: False))
+        except Exception as e:
+            return self._error_response(e)
+
+    def _run_streaming(self, req, sender, to_bls: bool = False, caller=None) -> None:
+        caller = caller or CallerWatch(0)
+
+        def emit(reply) -> None:
+            if caller.gone():  # stop here: the responses would pile up for a dead process
+                raise PoolError(f"the caller (pid {caller.pid}) died")
+            sender.send(self.respond(reply))
+
+        try:
+            final = self.run(req, emit, lambda: caller.gone() or sender.is_cancelled())
+            if caller.gone():
+                _log.warning("request %s: its caller died; dropped", req.request_id)
+                return
+            sender.send(self.respond(final), flags=FINAL)
+        except Exception as e:
+            _log.warning("request %s failed: %s", req.request_id, e)
+            if caller.gone():
+                return
+            try:
+                sender.send(self._error_response(e, to_bls), flags=FINAL)
+            except Exception:
+                _log.exception("request %s: could not report the failure", req.request_id)
+
+    def _error_response(self, exc: Exception, as_outputs: bool = False):
+        if self.on_error is not None:
+            self.on_error(error_kind(exc))
+        return failure_response(exc, as_outputs, self.batched)
+
+    def shutdown(self) -> None:
+        self.workers.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,91 @@
+"""A stand-in for the Python backend's `triton_python_backend_utils`, for unit tests of
+disagg.triton's adapters outside a stub. It holds what they use, with the real module's
+names and behaviour where it matters (tensors are numpy arrays, responses carry an error or
+outputs, requests carry JSON parameters); BLS calls return what a test scripts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+
+class TritonModelException(Exception):
+    pass
+
+
+class TritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE = 0, 1, 2, 3, 4
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        self._message, self._code = message, code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+
+class Tensor:
+    def __init__(self, name: str, array) -> None:
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors=None, error: TritonError | None = None, parameters=None):
+        self._outputs = list(output_tensors or [])
+        self._error = error
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+
+class InferenceRequest:
+    """A BLS request; `exec` answers with what the test put in `InferenceRequest.script`."""
+
+    script: list = []  # responses (or an exception) the next exec() yields
+
+    def __init__(self, model_name="", inputs=None, requested_output_names=None, **kw) -> None:
+        self.model_name = model_name
+        self.inputs = inputs or []
+        self._parameters = kw.get("parameters") or {}
+        self._request_id = kw.get("request_id", "")
+
+    def parameters(self) -> str:
+        return json.dumps(self._parameters)
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def exec(self, decoupled: bool = False):
+        script = type(self).script
+        if isinstance(script, Exception):
+            raise script
+        return iter(script) if decoupled else script[0]
+
+
+def _by_name(tensors, name: str):
+    return next((t for t in tensors if t.name() == name), None)
+
+
+def get_input_tensor_by_name(request, name: str):
+    return _by_name(request.inputs, name)
+
+
+def get_output_tensor_by_name(response, name: str):
+    return _by_name(response.output_tensors(), name)

@@ -1,0 +1,32 @@
+"""process_alive on real processes: running, stopped, a zombie, gone."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from disagg.process import process_alive
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_running_or_stopped_process_is_alive_and_a_zombie_or_a_gone_one_is_not():
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert process_alive(child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        assert process_alive(child.pid)  # stopped is not dead
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while process_alive(child.pid):  # exiting, then a zombie until reaped: dead either way
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # reported dead at once, while /proc still has it (not reaped; often still state R
+        # in its exit path: the window in which a response sent to it is never read)
+        assert os.path.exists(f"/proc/{child.pid}/stat")
+    finally:
+        child.kill()
+        child.wait()
+    assert not process_alive(child.pid)
