@@ -265,15 +265,23 @@ def test_a_stream_cut_after_text_was_sent_ends_with_a_clear_error(grpc, fakes):
 
 def test_the_circuit_opens_after_failures_and_closes_after_a_good_probe(grpc, fakes, server):
     flaky = fakes["flaky"]
+    # short local fallbacks: the circuit's 2 s cooldown must not pass before the third request
     flaky.push(*[("status", 503, {}, {"error": {"message": "down"}})] * 2)
     for _ in range(2):
-        assert route(grpc.generate("router", chat(task_type="flaky")))[1] == "endpoint_failed"
+        assert (
+            route(grpc.generate("router", chat(max_tokens=2, task_type="flaky")))[1]
+            == "endpoint_failed"
+        )
     n = flaky.num_requests
-    r = grpc.generate("router", chat(task_type="flaky"))
+    r = grpc.generate("router", chat(max_tokens=2, task_type="flaky"))
     assert route(r)[:2] == ("local", "circuit_open") and flaky.num_requests == n
     time.sleep(2.1)  # the cooldown
-    assert route(grpc.generate("router", chat(task_type="flaky")))[2] == "flaky"  # the probe
-    assert route(grpc.generate("router", chat(task_type="flaky")))[2] == "flaky"  # closed
+    assert (
+        route(grpc.generate("router", chat(max_tokens=2, task_type="flaky")))[2] == "flaky"
+    )  # the probe
+    assert (
+        route(grpc.generate("router", chat(max_tokens=2, task_type="flaky")))[2] == "flaky"
+    )  # closed
     metric_becomes(
         server, "disagg_router_fallbacks_total", 1, target="flaky_lpu", cause="circuit_open"
     )
