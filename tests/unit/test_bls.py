@@ -115,3 +115,16 @@ def test_finished_streams_are_held_for_a_while_then_released(bls):
     assert len(yard) == 2
     yard.keep("d", now=30.0)
     assert len(yard) == 1
+
+
+def test_responses_hold_only_the_outputs_the_requester_asked_for(bls):
+    """Triton 2.51 prunes the others itself without the GIL, which corrupted the stub."""
+    from disagg.triton import pb
+    from disagg.triton.orchestrator import Reply
+
+    reply = Reply("hi", 3, 1, finish_reason="length", served_by="disaggregated")
+    asked = frozenset({"text_output", "finish_reason", "served_by"})
+    names = {t.name() for t in pb.reply_response(reply, True, asked).output_tensors()}
+    assert names == asked
+    everything = {t.name() for t in pb.reply_response(reply, True).output_tensors()}
+    assert everything > asked and "kv_bytes" in everything

@@ -50,7 +50,9 @@ class TritonPythonModel:
             int(p["max_concurrency"]),
             parse=self._parse,
             run=self.orchestrator.run,
-            respond=lambda reply: pb.reply_response(reply, BATCHED),
+            respond=lambda reply, requested=frozenset(): pb.reply_response(
+                reply, BATCHED, requested
+            ),
             on_error=lambda kind: metrics.error("request", kind),
         )
 

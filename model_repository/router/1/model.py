@@ -47,7 +47,9 @@ class TritonPythonModel:
             int(p["max_concurrency"]),
             parse=self._parse,
             run=self.router.run,
-            respond=lambda reply: pb.routed_response(reply, BATCHED),
+            respond=lambda reply, requested=frozenset(): pb.routed_response(
+                reply, BATCHED, requested
+            ),
         )
 
     def _parse(self, request):

@@ -125,7 +125,24 @@ def _client_outputs(reply, batched: bool) -> list[pb_utils.Tensor]:
     ]
 
 
-def reply_response(reply: Reply, batched: bool) -> pb_utils.InferenceResponse:
+def requested_outputs(request) -> frozenset[str]:
+    return frozenset(request.requested_output_names())
+
+
+def response(outputs: list, requested: frozenset[str] = frozenset()):
+    """A response holding only the outputs the requester asked for (all when `requested` is
+    empty). Triton 2.51's response sender drops the others itself, with the GIL released,
+    and freeing their numpy arrays without the GIL corrupts CPython's allocator: the stub
+    crashed in libpython after minutes of streaming (python_backend fixed ~PbTensor to take
+    the GIL in Dec 2024, after 2.51)."""
+    if requested:
+        outputs = [t for t in outputs if t.name() in requested]
+    return pb_utils.InferenceResponse(output_tensors=outputs)
+
+
+def reply_response(
+    reply: Reply, batched: bool, requested: frozenset[str] = frozenset()
+) -> pb_utils.InferenceResponse:
     outputs = _client_outputs(reply, batched)
     if reply.finish_reason is not None:
         outputs += [
@@ -135,7 +152,7 @@ def reply_response(reply: Reply, batched: bool) -> pb_utils.InferenceResponse:
             tensor(P.KV_BYTES, [reply.kv_bytes], np.int64, batched),
             tensor(P.KV_HANDOFF_US, [int(reply.kv_handoff_s * 1e6)], np.int64, batched),
         ]
-    return pb_utils.InferenceResponse(output_tensors=outputs)
+    return response(outputs, requested)
 
 
 def error_code(exc: Exception):
@@ -186,7 +203,9 @@ def output_array(response, name: str) -> np.ndarray:
     return t.as_numpy()
 
 
-def routed_response(reply, batched: bool) -> pb_utils.InferenceResponse:
+def routed_response(
+    reply, batched: bool, requested: frozenset[str] = frozenset()
+) -> pb_utils.InferenceResponse:
     """A router response: the ensemble's outputs, and on the final one where it was routed."""
     outputs = _client_outputs(reply, batched)
     if reply.finish_reason is not None:
@@ -197,7 +216,7 @@ def routed_response(reply, batched: bool) -> pb_utils.InferenceResponse:
             (P.ERROR, reply.error),
         ):
             outputs.append(tensor(name, [value.encode("utf-8")], np.object_, batched))
-    return pb_utils.InferenceResponse(output_tensors=outputs)
+    return response(outputs, requested)
 
 
 def configure_logging() -> None:

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from disagg.errors import PoolError
 from disagg.triton.bls import CallerWatch, ack_response, failure_response, is_bls_caller
-from disagg.triton.pb import FINAL, error_kind
+from disagg.triton.pb import FINAL, error_kind, requested_outputs
 
 _log = logging.getLogger("disagg.triton")
 
@@ -19,7 +19,7 @@ class RequestRunner:
     Decoupled: each request is parsed at once (a bad one is answered with its error) and
     then run in the pool, streaming through its response sender. Not decoupled: the batch
     Triton hands over is run in parallel and answered with one response per request.
-    `run(req, emit, is_cancelled)` returns the final reply; `respond(reply)` makes a
+    `run(req, emit, is_cancelled)` returns the final reply; `respond(reply, requested)` makes a
     response of a reply."""
 
     def __init__(
@@ -52,7 +52,14 @@ class RequestRunner:
             to_bls = is_bls_caller(request)
             if to_bls:  # before the work can finish (a response after FINAL crashes Triton)
                 sender.send(ack_response(self.pid, self.batched))
-            self.workers.submit(self._run_streaming, req, sender, to_bls, CallerWatch.of(request))
+            self.workers.submit(
+                self._run_streaming,
+                req,
+                sender,
+                to_bls,
+                CallerWatch.of(request),
+                requested_outputs(request),
+            )
         return None
 
     def _run_sync(self, request):
@@ -61,20 +68,22 @@ class RequestRunner:
         except Exception as e:
             return self._error_response(e)
 
-    def _run_streaming(self, req, sender, to_bls: bool = False, caller=None) -> None:
+    def _run_streaming(
+        self, req, sender, to_bls: bool = False, caller=None, requested=frozenset()
+    ) -> None:
         caller = caller or CallerWatch(0)
 
         def emit(reply) -> None:
             if caller.gone():  # stop here: the responses would pile up for a dead process
                 raise PoolError(f"the caller (pid {caller.pid}) died")
-            sender.send(self.respond(reply))
+            sender.send(self.respond(reply, requested))
 
         try:
             final = self.run(req, emit, lambda: caller.gone() or sender.is_cancelled())
             if caller.gone():
                 _log.warning("request %s: its caller died; dropped", req.request_id)
                 return
-            sender.send(self.respond(final), flags=FINAL)
+            sender.send(self.respond(final, requested), flags=FINAL)
         except Exception as e:
             _log.warning("request %s failed: %s", req.request_id, e)
             if caller.gone():
