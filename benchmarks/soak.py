@@ -153,6 +153,8 @@ def main() -> int:
         crashed = sorted(
             {before_pids[p] for p in (segfaults() - before_faults) if p in before_pids}
         )
+        # faulthandler (on in every stub) reports a crash in the log; the kernel may not
+        fatal = server.log_path.read_text(errors="replace").count("Fatal Python error")
         replaced = sorted(before_pids[p] for p in set(before_pids) - set(after_pids))
         server_alive = server.proc.poll() is None
     finally:
@@ -168,6 +170,7 @@ def main() -> int:
         "error_kinds": tally.error_kinds,
         "tokens_per_s": round(tally.tokens / elapsed, 1),
         "stubs_crashed": crashed,
+        "fatal_python_errors": fatal,
         "stubs_replaced": replaced,
         "tritonserver_alive": server_alive,
         "cpu": os.cpu_count(),
@@ -176,11 +179,11 @@ def main() -> int:
     print(f"| soak ({a.streams} gateway streams, {a.mode}) | value |")
     print("|---|---|")
     for k in ("minutes", "completed", "errors", "tokens_per_s", "stubs_crashed",
-              "stubs_replaced", "tritonserver_alive"):  # fmt: skip
+              "fatal_python_errors", "stubs_replaced", "tritonserver_alive"):  # fmt: skip
         print(f"| {k} | {result[k]} |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
-    ok = not crashed and not replaced and not tally.errors and server_alive
+    ok = not crashed and not fatal and not replaced and not tally.errors and server_alive
     return 0 if ok else 1
 
 
