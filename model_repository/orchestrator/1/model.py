@@ -71,4 +71,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.runner.shutdown()
+        bls.FINISHED_STREAMS.clear()  # before the stub exits, as below
         pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)

@@ -292,6 +292,12 @@ class Graveyard:
     def __len__(self) -> int:
         return len(self._items)
 
+    def clear(self) -> None:
+        """Let go of everything: from finalize(), while the stub is alive. An iterator still
+        held at interpreter exit is destroyed after the stub is gone (a segfault in GC)."""
+        with self._lock:
+            self._items.clear()
+
 
 FINISHED_STREAMS = Graveyard()
 
