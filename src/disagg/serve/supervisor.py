@@ -113,9 +113,14 @@ class StubSupervisor:
         while not self._stop.wait(self.interval_s):
             try:
                 self.check()
-                self._regions = remove_stale_regions(self.server_pid, self._regions)
             except (OSError, ValueError) as e:  # the server is going away, or busy
                 log.debug("supervisor check failed: %s", e)
+            except Exception:  # never let the supervisor thread die
+                log.exception("supervisor check failed")
+            try:  # apart from check(): a failed check must not keep dead stubs' memory
+                self._regions = remove_stale_regions(self.server_pid, self._regions)
+            except OSError as e:
+                log.debug("shared memory cleanup failed: %s", e)
 
     def check(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
