@@ -111,16 +111,18 @@ class StubSupervisor:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            # first, and apart from check(): the scan must have seen a stub alive to clean up
+            # after it, and check()'s HTTP calls can take seconds on a busy server
+            try:
+                self._regions = remove_stale_regions(self.server_pid, self._regions)
+            except OSError as e:
+                log.debug("shared memory cleanup failed: %s", e)
             try:
                 self.check()
             except (OSError, ValueError) as e:  # the server is going away, or busy
                 log.debug("supervisor check failed: %s", e)
             except Exception:  # never let the supervisor thread die
                 log.exception("supervisor check failed")
-            try:  # apart from check(): a failed check must not keep dead stubs' memory
-                self._regions = remove_stale_regions(self.server_pid, self._regions)
-            except OSError as e:
-                log.debug("shared memory cleanup failed: %s", e)
 
     def check(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
