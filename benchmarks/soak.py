@@ -28,6 +28,7 @@ import openai
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
 from disagg.serve.settings import ServeSettings
+from disagg.serve.supervisor import stub_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-soak"
@@ -41,16 +42,7 @@ PROMPTS = [
 
 def stub_pids(server_pid: int) -> dict[int, str]:
     """pid -> model of the server's live stubs."""
-    out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            args = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == server_pid and fields[0] != "Z" and args[0].endswith(b"_stub"):
-            out[int(stat.parent.name)] = Path(args[1].decode()).parent.parent.name
-    return out
+    return {pid: model for pid, (model, _) in stub_processes(server_pid).items()}
 
 
 def segfaults() -> set[int]:

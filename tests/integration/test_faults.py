@@ -22,6 +22,7 @@ from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.process import process_alive
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import free_ports
+from disagg.serve.supervisor import stub_processes
 
 pytestmark = pytest.mark.integration
 ADMIN = "test-admin-key"
@@ -216,23 +217,7 @@ def test_a_shutdown_crashes_no_stub_and_leaves_nothing_behind(stack):
 
 def _stub_table(server) -> dict[int, tuple[str, str]]:
     """pid -> (model, shared memory region) of the server's live stubs."""
-    table = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            for model, region in _stubs_of(server.proc.pid, int(entry.name)):
-                table[int(entry.name)] = (model, region)
-    return table
-
-
-def _stubs_of(server_pid: int, pid: int):
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except (OSError, IndexError):
-        return []
-    if int(stat[1]) != server_pid or stat[0] == "Z" or not args[0].endswith(b"_stub"):
-        return []
-    return [(Path(args[1].decode()).parent.parent.name, args[2].decode())]
+    return stub_processes(server.proc.pid)
 
 
 def _zombies(server_pid: int) -> list[int]:

@@ -11,7 +11,6 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import replace
-from pathlib import Path
 
 import openai
 import pytest
@@ -439,7 +438,9 @@ def test_last_a_clean_shutdown_crashes_no_stub(stack):
     """Runs last in this module (no fault was injected here): stopping the server must not
     crash a single stub. Before the fix every stub with metrics segfaulted at each shutdown."""
     server = stack[0]
-    stubs = _stub_pids(server.proc.pid)
+    from disagg.serve.supervisor import stub_processes
+
+    stubs = list(stub_processes(server.proc.pid))
     assert len(stubs) >= 7
     server.stop()
     log = server.log_path.read_text(errors="replace")
@@ -450,16 +451,3 @@ def test_last_a_clean_shutdown_crashes_no_stub(stack):
     from disagg.process import process_alive
 
     assert not any(process_alive(p) for p in stubs)  # gone, or a zombie of an init that reaps
-
-
-def _stub_pids(server_pid: int) -> list[int]:
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            args = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == server_pid and args[0].endswith(b"_stub"):
-            pids.append(int(stat.parent.name))
-    return pids

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from disagg.serve.server import free_ports
+from disagg.serve.supervisor import stub_processes
 
 pytestmark = pytest.mark.integration
 
@@ -138,16 +139,7 @@ def _status(url: str) -> int:
 
 
 def _stubs(server: int, model: str) -> set[int]:
-    pids = set()
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().split(b"\0")
-            ppid = int((cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == server and args[0].endswith(b"_stub") and f"/{model}/1/".encode() in args[1]:
-            pids.add(int(cmdline.parent.name))
-    return pids
+    return {pid for pid, (m, _) in stub_processes(server).items() if m == model}
 
 
 def _wedge_decode_reload(server: int) -> float:

@@ -37,9 +37,10 @@ STUB = "triton_python_backend_stub"
 SHM_PREFIX = "triton_python_backend_shm_region_"
 
 
-def _stubs(server_pid: int) -> list[tuple[str, str]]:
-    """(model name, shared memory region) of each live stub of the server `server_pid`."""
-    stubs = []
+def stub_processes(server_pid: int) -> dict[int, tuple[str, str]]:
+    """pid -> (model name, shared memory region) of each live stub of the server
+    `server_pid` (zombies and processes on their way out excluded)."""
+    stubs = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -53,20 +54,20 @@ def _stubs(server_pid: int) -> list[tuple[str, str]]:
             continue
         if len(args) > 2 and args[0].endswith(STUB.encode()):
             model = Path(args[1].decode()).parent.parent.name  # <repo>/<model>/<v>/model.py
-            stubs.append((model, args[2].decode()))
+            stubs[int(entry.name)] = (model, args[2].decode())
     return stubs
 
 
 def stub_models(server_pid: int) -> Counter:
     """Model name -> live stub processes of the tritonserver with `server_pid`."""
-    return Counter(model for model, _ in _stubs(server_pid))
+    return Counter(model for model, _ in stub_processes(server_pid).values())
 
 
 def remove_stale_regions(server_pid: int, known: set[str], shm_dir: str = "/dev/shm") -> set[str]:
     """Remove the shared memory regions in `known` whose stub is gone; returns the regions
     of the live stubs (the next call's `known`). A killed stub's 64 MiB region otherwise
     stays on disk until the server exits."""
-    live = {region for _, region in _stubs(server_pid)}
+    live = {region for _, region in stub_processes(server_pid).values()}
     for region in known - live:
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(shm_dir, region))
