@@ -110,14 +110,18 @@ class StubSupervisor:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            # first, and apart from check(): the scan must have seen a stub alive to clean up
-            # after it, and check()'s HTTP calls can take seconds on a busy server
+    def _shm_loop(self) -> None:
+        """On a thread of its own: the scan must have seen a stub alive to clean up after
+        it, and check()'s HTTP calls can wait for seconds while Triton loads a model."""
+        while not self._stop.wait(self.interval_s / 2):
             try:
                 self._regions = remove_stale_regions(self.server_pid, self._regions)
             except OSError as e:
                 log.debug("shared memory cleanup failed: %s", e)
+
+    def _loop(self) -> None:
+        threading.Thread(target=self._shm_loop, name="stub-shm", daemon=True).start()
+        while not self._stop.wait(self.interval_s):
             try:
                 self.check()
             except (OSError, ValueError) as e:  # the server is going away, or busy
