@@ -140,18 +140,24 @@ def _serves_again(server, timeout_s: float = 120) -> None:
             time.sleep(1)
 
 
+def _kill_under_load(server, calls: dict, victim: int) -> tuple[Outcomes, float]:
+    """Start `calls`, kill `victim` once each is decoding; (what each got, when it died)."""
+    out = Outcomes()
+    threads = [out.run(name, call) for name, call in calls.items()]
+    metric_becomes(server, "disagg_decode_active_sequences", float(len(calls)), timeout_s=60)
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(timeout=max(0.0, killed + HUNG_S - time.monotonic()))
+    return out, killed
+
+
 def test_a_decode_crash_under_load_ends_every_request_on_every_entry_point(stack):
     server, gateway = stack
     calls = _long_requests(server, gateway)
     (decode,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "decode"]
     region = _stub_table(server)[decode][1]
-    out = Outcomes()
-    threads = [out.run(name, call) for name, call in calls.items()]
-    metric_becomes(server, "disagg_decode_active_sequences", float(len(calls)), timeout_s=60)
-    os.kill(decode, signal.SIGKILL)
-    killed = time.monotonic()
-    for t in threads:
-        t.join(timeout=max(0.0, killed + HUNG_S - time.monotonic()))
+    out, killed = _kill_under_load(server, calls, decode)
     counts = out.counts(calls)
     assert counts == {"completed": 0, "error": len(calls), "unclear": 0, "hung": 0}, out.got
     for name, (_, detail, ended) in out.got.items():
@@ -164,7 +170,7 @@ def test_a_decode_crash_under_load_ends_every_request_on_every_entry_point(stack
     metric_becomes(server, "disagg_decode_active_sequences", 0.0)
     # the dead stub's 64 MiB region is removed; it is no zombie either
     assert decode not in _stub_table(server) and not _zombies(server.proc.pid)
-    deadline = time.monotonic() + 10  # the supervisor looks once a second
+    deadline = time.monotonic() + 10  # the supervisor scans every half second
     while Path("/dev/shm", region).exists():
         assert time.monotonic() < deadline, f"{region} of the dead stub is still there"
         time.sleep(0.2)
@@ -178,13 +184,7 @@ def test_an_orchestrator_crash_ends_router_and_gateway_requests_and_frees_decode
     server, gateway = stack
     calls = {k: v for k, v in _long_requests(server, gateway).items() if "ensemble" not in k}
     (victim,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "orchestrator"]
-    out = Outcomes()
-    threads = [out.run(name, call) for name, call in calls.items()]
-    metric_becomes(server, "disagg_decode_active_sequences", float(len(calls)), timeout_s=60)
-    os.kill(victim, signal.SIGKILL)
-    killed = time.monotonic()
-    for t in threads:
-        t.join(timeout=max(0.0, killed + HUNG_S - time.monotonic()))
+    out, killed = _kill_under_load(server, calls, victim)
     assert out.counts(calls) == {"completed": 0, "error": len(calls), "unclear": 0, "hung": 0}
     for name, (_, detail, ended) in out.got.items():
         assert ended - killed < 5, f"{name} ended {ended - killed:.1f} s after the crash"
