@@ -5,19 +5,19 @@ cancel on a response iterator), and with several decode instances it cannot addr
 serving a request. So it marks the request id here, and every decode instance looks for
 the ids it is serving between steps.
 
-Ids form a hierarchy with dots: the orchestrator names a request `<caller's id>.<hex>`, and a
-mark on the caller's id (the router's, say) cancels it too, since the caller cannot know the
-id the orchestrator made. Ids that are not safe file names are never marked or matched.
+Ids form a hierarchy with dots (the scheme is in contracts.py): the orchestrator names a
+request `<caller's id>.<hex>`, and a mark on the caller's id (the router's, say) cancels it
+too, since the caller cannot know the id the orchestrator made. Ids that are not safe file
+names are never marked or matched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 from pathlib import Path
 
-_SAFE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+from disagg.contracts import SAFE_REQUEST_ID as _SAFE_ID
 
 
 class CancelRegistry:

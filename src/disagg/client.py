@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from disagg import contracts as C
+
 
 class GenerateError(Exception):
     """The server answered the request with an error."""
@@ -45,7 +47,7 @@ class Result:
 
 
 def _absorb(result: Result, out: dict, start: float, on_delta: Callable[[str], None] | None):
-    text = out.get("text_output", "")
+    text = out.get(C.TEXT_OUTPUT, "")
     if isinstance(text, list):
         text = text[0] if text else ""
     if text:
@@ -55,10 +57,10 @@ def _absorb(result: Result, out: dict, start: float, on_delta: Callable[[str], N
         result.text += text
         if on_delta:
             on_delta(text)
-    for key in ("num_input_tokens", "num_output_tokens"):
+    for key in (C.NUM_INPUT_TOKENS, C.NUM_OUTPUT_TOKENS):
         if key in out:
             setattr(result, key, int(np.asarray(out[key]).reshape(-1)[0]))
-    reason = out.get("finish_reason")
+    reason = out.get(C.FINISH_REASON)
     if reason:
         result.finish_reason = reason[0] if isinstance(reason, list) else reason
 
@@ -78,7 +80,7 @@ class HttpClient:
         on_delta: Callable[[str], None] | None = None,
     ) -> Result:
         endpoint = "generate_stream" if stream else "generate"
-        body = json.dumps({**inputs, "stream": stream}).encode()
+        body = json.dumps({**inputs, C.STREAM: stream}).encode()
         req = urllib.request.Request(
             f"{self.url}/v2/models/{model}/{endpoint}",
             data=body,
@@ -95,8 +97,8 @@ class HttpClient:
                     if not line.startswith(b"data:"):
                         continue
                     out = json.loads(line[5:])
-                    if "error" in out and "text_output" not in out:  # Triton's error event
-                        raise GenerateError(out["error"])  # (the router's final has `error` too)
+                    if C.ERROR in out and C.TEXT_OUTPUT not in out:  # Triton's error event
+                        raise GenerateError(out[C.ERROR])  # (the router's final has `error` too)
                     _absorb(result, out, start, on_delta)
                     result.extra = out
         except urllib.error.HTTPError as e:
@@ -115,7 +117,7 @@ _GRPC_TYPES = {
     int: ("INT32", np.int32),
     float: ("FP32", np.float32),
 }
-_UINT64_INPUTS = {"seed"}
+_UINT64_INPUTS = {C.SEED}
 
 
 def grpc_inputs(inputs: dict):
@@ -150,9 +152,9 @@ def output_value(result, name: str) -> str | int | None:
 class GrpcClient:
     """Bidirectional gRPC streaming with tritonclient (the decoupled `ensemble`)."""
 
-    OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "finish_reason")
+    OUTPUTS = C.CLIENT_OUTPUTS
     # what the router adds to its final response; kept in Result.extra when present
-    EXTRA_OUTPUTS = ("route_target", "route_reason", "served_by", "error")
+    EXTRA_OUTPUTS = C.ROUTER_EXTRAS
 
     def __init__(self, url: str = "127.0.0.1:8001", timeout_s: float = 300.0) -> None:
         import tritonclient.grpc as grpcclient
@@ -177,7 +179,7 @@ class GrpcClient:
         try:
             self.client.async_stream_infer(
                 model,
-                grpc_inputs({**inputs, "stream": stream}),
+                grpc_inputs({**inputs, C.STREAM: stream}),
                 enable_empty_final_response=True,
             )
             while True:

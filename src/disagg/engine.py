@@ -19,13 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from disagg.config import EngineConfig, ModelArgs
+from disagg.config import EngineConfig
+from disagg.contracts import DecodeStats
 from disagg.errors import ConfigError, RequestError
 from disagg.kv_payload import KVPayload
 from disagg.model import KVCacheSlots, Llama
 from disagg.sampling import sample_batch, sample_one
 from disagg.scheduler import Scheduler, SlotMove
-from disagg.sequence import FinishReason, SamplingParams, Sequence
+from disagg.sequence import FinishReason, SamplingParams, Sequence, validate_request
 
 
 @dataclass(frozen=True)
@@ -51,27 +52,6 @@ class TokenOutput:
 
 def resolve_seed(params: SamplingParams) -> int:
     return params.seed if params.seed is not None else secrets.randbits(63)
-
-
-def validate_request(
-    args: ModelArgs, config: EngineConfig, prompt_ids: list[int], params: SamplingParams
-) -> None:
-    """Everything a request can get wrong, checked before any work is done for it."""
-    if not prompt_ids:
-        raise RequestError("prompt is empty")
-    if len(prompt_ids) >= config.max_model_len:
-        raise RequestError(
-            f"prompt has {len(prompt_ids)} tokens; the context limit is "
-            f"{config.max_model_len} (prompt + output)"
-        )
-    if any(not 0 <= t < args.vocab_size for t in prompt_ids):
-        raise RequestError(f"prompt token ids must be in [0, {args.vocab_size})")
-    params.validate(args.vocab_size, config.max_tokens_limit)
-    if len(prompt_ids) + params.max_tokens > config.max_model_len:
-        raise RequestError(
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-            f"the context limit of {config.max_model_len} tokens"
-        )
 
 
 class PrefillEngine:
@@ -180,18 +160,18 @@ class DecodeEngine:
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> DecodeStats:
         bm = self.scheduler.block_manager
         bytes_per_block = bm.block_size * self.model.args.kv_bytes_per_token
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_kv_blocks_used": bm.num_used_blocks,
-            "num_kv_blocks_total": bm.num_blocks,
-            "kv_bytes_reserved": bm.num_used_blocks * bytes_per_block,
-            "kv_bytes_capacity": bm.num_blocks * bytes_per_block,
-            "num_steps": self.num_steps,
-        }
+        return DecodeStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_steps=self.num_steps,
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_total=bm.num_blocks,
+            kv_bytes_reserved=bm.num_used_blocks * bytes_per_block,
+            kv_bytes_capacity=bm.num_blocks * bytes_per_block,
+        )
 
     # ---------------------------------------------------------------- the loop
 

@@ -6,8 +6,12 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from disagg.errors import RequestError
+
+if TYPE_CHECKING:
+    from disagg.config import EngineConfig, ModelArgs
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
@@ -116,3 +120,24 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def validate_request(
+    args: ModelArgs, config: EngineConfig, prompt_ids: list[int], params: SamplingParams
+) -> None:
+    """Everything a request can get wrong, checked before any work is done for it."""
+    if not prompt_ids:
+        raise RequestError("prompt is empty")
+    if len(prompt_ids) >= config.max_model_len:
+        raise RequestError(
+            f"prompt has {len(prompt_ids)} tokens; the context limit is "
+            f"{config.max_model_len} (prompt + output)"
+        )
+    if any(not 0 <= t < args.vocab_size for t in prompt_ids):
+        raise RequestError(f"prompt token ids must be in [0, {args.vocab_size})")
+    params.validate(args.vocab_size, config.max_tokens_limit)
+    if len(prompt_ids) + params.max_tokens > config.max_model_len:
+        raise RequestError(
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"the context limit of {config.max_model_len} tokens"
+        )

@@ -102,7 +102,7 @@ def test_continuous_batch_with_staggered_joins_equals_each_alone(llm, alone):
         for o in engine.step():
             if o.token_id is not None:
                 got[int(o.request_id)].append(o.token_id)
-        batch_sizes.append(engine.stats()["num_running"])
+        batch_sizes.append(engine.stats().num_running)
         step += 1
     assert max(batch_sizes) >= 4  # they really ran together
     for i, p in enumerate(PROMPTS):
@@ -116,12 +116,12 @@ def test_admission_waits_when_the_batch_is_full(llm, alone):
         engine.add_request(str(i), GREEDY, prompt_ids=llm.encode(p))
     got = {i: [] for i in range(len(PROMPTS))}
     while engine.has_unfinished:
-        assert engine.stats()["num_running"] <= 2
+        assert engine.stats().num_running <= 2
         for o in engine.step():
             if o.token_id is not None:
                 got[int(o.request_id)].append(o.token_id)
     assert [got[i] for i in range(len(PROMPTS))] == [alone[p] for p in PROMPTS]
-    assert engine.stats()["num_kv_blocks_used"] == 0
+    assert engine.stats().num_kv_blocks_used == 0
 
 
 def test_full_queue_is_refused_clearly(llm):
@@ -140,10 +140,10 @@ def test_abort_frees_the_slot_and_reports_it(llm):
     engine.finish_request("a")
     outs = engine.step()
     assert any(o.request_id == "a" and o.finish_reason is FinishReason.ABORT for o in outs)
-    assert engine.stats()["num_running"] == 1
+    assert engine.stats().num_running == 1
     engine.finish_request("b")
     engine.step()
-    assert not engine.has_unfinished and engine.stats()["num_kv_blocks_used"] == 0
+    assert not engine.has_unfinished and engine.stats().num_kv_blocks_used == 0
 
 
 def test_seeded_sampling_is_the_same_disaggregated_and_colocated(llm):

@@ -8,8 +8,7 @@ import pytest
 
 from disagg.config import EngineConfig, load_model_args
 from disagg.errors import RequestError
-from disagg.sequence import SamplingParams
-from disagg.triton.orchestrator import (
+from disagg.pipeline.orchestrator import (
     COLOCATED,
     CONDITIONAL,
     DISAGGREGATED,
@@ -22,6 +21,7 @@ from disagg.triton.orchestrator import (
     PoolError,
     build_request,
 )
+from disagg.sequence import SamplingParams
 
 pytestmark = pytest.mark.model
 

@@ -119,8 +119,8 @@ def test_finished_streams_are_held_for_a_while_then_released(bls):
 
 def test_responses_hold_only_the_outputs_the_requester_asked_for(bls):
     """Triton 2.51 prunes the others itself without the GIL, which corrupted the stub."""
+    from disagg.contracts import Reply
     from disagg.triton import pb
-    from disagg.triton.orchestrator import Reply
 
     reply = Reply("hi", 3, 1, finish_reason="length", served_by="disaggregated")
     asked = frozenset({"text_output", "finish_reason", "served_by"})

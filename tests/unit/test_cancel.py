@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from disagg.cancel import CancelRegistry
-from disagg.routing.router import new_request_id
-from disagg.triton.orchestrator import request_id_for
+from disagg.contracts import child_request_id, new_request_id
 
 pytestmark = pytest.mark.unit
 
@@ -14,8 +13,8 @@ pytestmark = pytest.mark.unit
 def test_a_mark_on_a_callers_id_cancels_the_ids_that_extend_it(tmp_path):
     reg = CancelRegistry(tmp_path)
     router_id = new_request_id()
-    orch_id = request_id_for(router_id)
-    other = request_id_for(new_request_id())
+    orch_id = child_request_id(router_id)
+    other = child_request_id(new_request_id())
     assert orch_id.startswith(router_id + ".")
     assert not reg.is_marked(orch_id)
     reg.mark(router_id)
@@ -31,6 +30,6 @@ def test_ids_are_unique_and_file_name_safe_whatever_the_client_sends(tmp_path):
     for rid in ids:
         reg.mark(rid)  # would raise for an unsafe name
         assert "/" not in rid and rid.startswith("etcpasswd-")
-    assert request_id_for("../x").count(".") == 0  # unsafe caller ids are not extended
-    assert request_id_for("a" * 200).count(".") == 0  # nor are huge ones
+    assert child_request_id("../x").count(".") == 0  # unsafe caller ids are not extended
+    assert child_request_id("a" * 200).count(".") == 0  # nor are huge ones
     assert not reg.is_marked("../x")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.triton.conditional import (
+from disagg.pipeline.conditional import (
     DECODE_IDLE,
     PREFILL_QUEUE,
     PROTECT_DECODE,

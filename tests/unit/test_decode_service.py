@@ -9,10 +9,11 @@ import time
 
 import pytest
 
+from disagg.contracts import DecodeStats
 from disagg.engine import TokenOutput
 from disagg.errors import CapacityError
+from disagg.pipeline.decode_service import DecodeService
 from disagg.sequence import FinishReason, SamplingParams
-from disagg.triton.decode_service import DecodeService
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +45,7 @@ class InstantEngine:
         return [TokenOutput(r, 7, 1, FinishReason.LENGTH) for r in done]
 
     def stats(self):
-        return {"num_running": len(self.pending), "num_waiting": 0}
+        return DecodeStats(num_running=len(self.pending), num_waiting=0)
 
 
 class OrderSink:

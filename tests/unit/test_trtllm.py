@@ -13,8 +13,8 @@ import pytest
 
 from disagg.engine import PrefillResult
 from disagg.errors import CapacityError, KVPayloadError, RequestError
+from disagg.pipeline.decode_service import DecodeService
 from disagg.sequence import FinishReason, SamplingParams
-from disagg.triton.decode_service import DecodeService
 from disagg.trtllm import payload
 from disagg.trtllm.engines import TrtllmApi, TrtllmDecodeEngine, TrtllmPrefillEngine
 

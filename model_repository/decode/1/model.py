@@ -6,13 +6,13 @@ import os
 import uuid
 from pathlib import Path
 
+from disagg import contracts as P
 from disagg.cancel import CancelRegistry
 from disagg.engine import DecodeEngine
 from disagg.model import Llama
+from disagg.pipeline.decode_service import DecodeService
 from disagg.tokenizer import Tokenizer
 from disagg.triton import bls, pb, pb_metrics
-from disagg.triton import protocol as P
-from disagg.triton.decode_service import DecodeService
 
 
 class TritonPythonModel:

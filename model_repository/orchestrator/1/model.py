@@ -9,13 +9,13 @@ which Triton's HTTP endpoint refuses for decoupled models)."""
 import dataclasses
 from pathlib import Path
 
+from disagg import contracts as P
 from disagg.cancel import CancelRegistry
 from disagg.config import load_model_args
+from disagg.pipeline.conditional import CostModel, CostParams
+from disagg.pipeline.orchestrator import Orchestrator, build_request
 from disagg.tokenizer import Tokenizer
 from disagg.triton import bls, pb, pb_metrics, runner
-from disagg.triton import protocol as P
-from disagg.triton.conditional import CostModel, CostParams
-from disagg.triton.orchestrator import Orchestrator, build_request
 
 INPUTS = {P.INPUT_IDS: "ints", **P.GENERATION_INPUTS}
 BATCHED = True  # max_batch_size > 0: tensors carry a batch dimension (of 1)

@@ -10,11 +10,11 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from disagg import contracts as P
 from disagg.engine import PrefillEngine
 from disagg.model import Llama
 from disagg.sequence import SamplingParams
 from disagg.triton import bls, pb
-from disagg.triton import protocol as P
 
 INPUTS = {P.PROMPT_IDS: "ints", P.SAMPLING: "str"}
 

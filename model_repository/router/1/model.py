@@ -8,13 +8,13 @@ request, for KServe v2 /infer)."""
 
 from pathlib import Path
 
+from disagg import contracts as P
 from disagg.cancel import CancelRegistry
 from disagg.routing.policy import PolicySource
 from disagg.routing.request import build_route_request
 from disagg.routing.router import Router
 from disagg.tokenizer import Tokenizer
 from disagg.triton import bls, pb, pb_metrics, runner
-from disagg.triton import protocol as P
 
 INPUTS = {
     **P.GENERATION_INPUTS,

@@ -18,11 +18,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from disagg import contracts as C
 from disagg.bench import report as R
 from disagg.bench import workloads as W
 from disagg.bench.sweep import SweepConfig, run_sweep
 
-MODES = ("colocated", "disaggregated", "conditional")
+MODES = (C.COLOCATED, C.DISAGGREGATED, C.CONDITIONAL)  # the order benchmarks run them
 # offered rates per workload for SmolLM2-135M on 2 CPU cores: from well under capacity to past it
 DEFAULT_RATES = {
     "chat": (0.2, 0.4, 0.8),

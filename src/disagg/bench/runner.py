@@ -14,10 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from disagg import contracts as C
 from disagg.bench.stats import Timeline
 from disagg.bench.workloads import RequestSpec
 
-ROUTER_HINTS = ("latency_sla_ms", "task_type", "priority")
+ROUTER_HINTS = (C.LATENCY_SLA_MS, C.TASK_TYPE, C.PRIORITY)
 
 
 class Target(Protocol):
@@ -36,7 +37,7 @@ class TritonTarget:
         self.backend = TritonBackend(url, timeout_s)
 
     async def send(self, spec: RequestSpec, prompt: str, t: Timeline) -> None:
-        inputs = {"text_input": prompt, "max_tokens": spec.max_tokens, "ignore_eos": True}
+        inputs = {C.TEXT_INPUT: prompt, C.MAX_TOKENS: spec.max_tokens, C.IGNORE_EOS: True}
         if self.model.startswith("router"):
             inputs.update({k: v for k, v in spec.hints.items() if k in ROUTER_HINTS})
         seen = 0

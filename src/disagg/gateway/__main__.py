@@ -15,6 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
+from disagg.contracts import ADMIN_KEY_ENV
 from disagg.errors import ConfigError
 from disagg.gateway.app import GatewayConfig, create_app
 from disagg.gateway.auth import KEYS_ENV, KeyStore, RateLimiter
@@ -53,7 +54,7 @@ def build_config(settings: ServeSettings, env=os.environ) -> GatewayConfig:
             settings.gateway_triton_url or f"{settings.host}:{settings.grpc_port}",
             settings.gateway_timeout_s,
         ),
-        admin_key=env.get("DISAGG_ADMIN_KEY") or None,
+        admin_key=env.get(ADMIN_KEY_ENV) or None,
         max_body_bytes=settings.gateway_max_body_bytes,
     )
 

@@ -8,7 +8,6 @@ import hmac
 import json
 import logging
 import math
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from disagg import contracts as C
+from disagg.contracts import ADMIN_HEADER, REQUEST_ID_HEADER, client_request_id
 from disagg.gateway import openai_api as oa
 from disagg.gateway.auth import KeyStore, RateLimiter
 from disagg.gateway.backend import Piece, TritonBackend
@@ -27,10 +28,7 @@ from disagg.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from disagg.gateway.registry import Registry
 
 log = logging.getLogger("disagg.gateway")
-REQUEST_ID_HEADER = "x-request-id"
 VERSION_HEADER = "x-disagg-model-version"
-ADMIN_HEADER = "admin-key"
-_SAFE_ID = re.compile(r"[^A-Za-z0-9_-]")
 
 
 @dataclass
@@ -44,8 +42,7 @@ class GatewayConfig:
 
 
 def request_id(request: Request) -> str:
-    given = _SAFE_ID.sub("", request.headers.get(REQUEST_ID_HEADER, ""))[:64]
-    return given or uuid.uuid4().hex
+    return client_request_id(request.headers.get(REQUEST_ID_HEADER, "")) or uuid.uuid4().hex
 
 
 DRAIN_FACTOR = 16  # an oversized body up to this many times the limit is read and dropped
@@ -297,9 +294,9 @@ class Gateway:
         if last is None or last.finish_reason is None:
             raise APIError(502, "the model ended without a finish reason", "server_error")
         self.cfg.limiter.charge(key, last.num_input_tokens + last.num_output_tokens)
-        if last.finish_reason == "error":
-            raise APIError(502, last.extra.get("error") or "the model failed", "server_error")
-        headers = {**headers, "x-disagg-route-target": last.extra.get("route_target", "")}
+        if last.finish_reason == C.FINISH_ERROR:
+            raise APIError(502, last.extra.get(C.ERROR) or "the model failed", "server_error")
+        headers = {**headers, "x-disagg-route-target": last.extra.get(C.ROUTE_TARGET, "")}
         body = oa.full_response(
             req,
             rid,
@@ -347,9 +344,9 @@ class Gateway:
             piece: Piece | None = first
             while piece is not None:
                 sent["n_in"], sent["n_out"] = piece.num_input_tokens, piece.num_output_tokens
-                if piece.finish_reason == "error":
+                if piece.finish_reason == C.FINISH_ERROR:
                     err = APIError(
-                        502, piece.extra.get("error") or "the model failed", "server_error"
+                        502, piece.extra.get(C.ERROR) or "the model failed", "server_error"
                     )
                     sent["status"] = err.status
                     self.metrics.error(err.type)

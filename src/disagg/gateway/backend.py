@@ -1,7 +1,7 @@
 """The gateway's view of Triton: one streaming call of the `router` model over gRPC.
 
-Errors come back as messages only on a gRPC stream; disagg's models prefix them with their
-kind (`invalid request:`, `unavailable:`; see triton/pb.py), which maps them to HTTP codes.
+Errors come back as messages only on a gRPC stream; disagg's models tag them with their kind
+(contracts.tag_error), which maps them to HTTP codes.
 """
 
 from __future__ import annotations
@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 import grpc
 import tritonclient.grpc.aio as grpcaio
 
+from disagg import contracts as C
 from disagg.client import grpc_inputs
 from disagg.client import output_value as _value
 from disagg.gateway.errors import APIError
-
-OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "finish_reason")
-EXTRAS = ("route_target", "route_reason", "served_by", "error")
 
 
 @dataclass
@@ -33,11 +31,12 @@ class Piece:
 
 
 def api_error(message: str) -> APIError:
-    if "invalid request:" in message:
-        return APIError(400, message.split("invalid request:", 1)[1].strip())
-    if "unavailable:" in message:
-        return APIError(503, message, type_="server_error", code="model_unavailable")
-    return APIError(500, message, type_="server_error")
+    kind, text = C.split_error(message)
+    if kind == C.INVALID_REQUEST:
+        return APIError(400, text)
+    if kind == C.UNAVAILABLE:
+        return APIError(503, text, type_="server_error", code="model_unavailable")
+    return APIError(500, text, type_="server_error")
 
 
 async def _guarded(call):
@@ -147,7 +146,7 @@ class TritonBackend:
             yield {
                 "model_name": model,
                 "model_version": version,
-                "inputs": grpc_inputs({**inputs, "stream": True}),
+                "inputs": grpc_inputs({**inputs, C.STREAM: True}),
                 "request_id": request_id,
                 "enable_empty_final_response": True,
             }
@@ -160,11 +159,13 @@ class TritonBackend:
                     done = True
                     raise api_error(str(error))
                 piece = Piece(
-                    text=_value(result, "text_output") or "",
-                    num_input_tokens=_value(result, "num_input_tokens") or 0,
-                    num_output_tokens=_value(result, "num_output_tokens") or 0,
-                    finish_reason=_value(result, "finish_reason") or None,
-                    extra={k: v for k in EXTRAS if (v := _value(result, k)) is not None},
+                    text=_value(result, C.TEXT_OUTPUT) or "",
+                    num_input_tokens=_value(result, C.NUM_INPUT_TOKENS) or 0,
+                    num_output_tokens=_value(result, C.NUM_OUTPUT_TOKENS) or 0,
+                    finish_reason=_value(result, C.FINISH_REASON) or None,
+                    extra={
+                        k: v for k in C.ROUTER_EXTRAS if (v := _value(result, k)) is not None
+                    },
                 )
                 params = result.get_response().parameters
                 final = params.get("triton_final_response")

@@ -12,6 +12,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from disagg import contracts as C
 from disagg.gateway.errors import bad_request, unsupported
 
 MAX_STOP = 4
@@ -48,15 +49,15 @@ def _hints(body: dict, inputs: dict) -> None:
     the router's tensors are FP32 / INT32 / one string."""
     sla = _number(body, "latency_sla_ms", 0, 1e9)
     if sla is not None:
-        inputs["latency_sla_ms"] = float(sla)
+        inputs[C.LATENCY_SLA_MS] = float(sla)
     priority = _number(body, "priority", -INT32_MAX, INT32_MAX, integer=True)
     if priority is not None:
-        inputs["priority"] = priority
+        inputs[C.PRIORITY] = priority
     task_type = body.get("task_type")
     if task_type is not None:
         if not isinstance(task_type, str) or len(task_type) > 128:
             raise bad_request("'task_type' must be a string of at most 128 characters", "task_type")
-        inputs["task_type"] = task_type
+        inputs[C.TASK_TYPE] = task_type
 
 
 def _refuse_unsupported(body: dict, kind: str) -> None:
@@ -131,23 +132,23 @@ def parse_request(body: object, kind: str) -> GenRequest:
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required", "model")
     _refuse_unsupported(body, kind)
-    inputs: dict = {"exclude_input_in_output": True}
+    inputs: dict = {C.EXCLUDE_INPUT_IN_OUTPUT: True}
     if kind == "chat":
-        inputs["messages"] = json.dumps(_messages(body))
+        inputs[C.MESSAGES] = json.dumps(_messages(body))
     else:
-        inputs["text_input"] = _prompt(body)
+        inputs[C.TEXT_INPUT] = _prompt(body)
     max_tokens = _number(body, "max_completion_tokens", 1, 1 << 20, integer=True)
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", 1, 1 << 20, integer=True)
     if max_tokens is not None:
-        inputs["max_tokens"] = max_tokens
-    for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
-        value = _number(body, name, lo, hi)
+        inputs[C.MAX_TOKENS] = max_tokens
+    for name, lo, hi in ((C.TEMPERATURE, 0.0, 2.0), (C.TOP_P, 0.0, 1.0)):
+        value = _number(body, name, lo, hi)  # OpenAI's names and the tensors' agree
         if value is not None:
             inputs[name] = float(value)
     seed = _number(body, "seed", 0, 2**63 - 1, integer=True)
     if seed is not None:
-        inputs["seed"] = seed
+        inputs[C.SEED] = seed
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -156,13 +157,13 @@ def parse_request(body: object, kind: str) -> GenRequest:
         if len(stops) > MAX_STOP:
             raise bad_request(f"'stop' takes at most {MAX_STOP} sequences", "stop")
         if any(stops):
-            inputs["stop_words"] = [s for s in stops if s]
+            inputs[C.STOP_WORDS] = [s for s in stops if s]
     _hints(body, inputs)
     ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: exactly max_tokens tokens
     if not isinstance(ignore_eos, bool):
         raise bad_request("'ignore_eos' must be a boolean", "ignore_eos")
     if ignore_eos:
-        inputs["ignore_eos"] = True
+        inputs[C.IGNORE_EOS] = True
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from typing import Protocol
 
+from disagg import contracts as P
+from disagg.contracts import new_request_id
 from disagg.errors import RequestError
 from disagg.routing.endpoint import ChatRequest
 from disagg.routing.policy import RouteFeatures
-from disagg.routing.router import RouteRequest, new_request_id
-from disagg.triton import protocol as P
+from disagg.routing.router import RouteRequest
 
 # router-only inputs: hints for the policy, and the prompt forms the router turns into ids
 ROUTER_ONLY = (

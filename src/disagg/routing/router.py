@@ -15,33 +15,16 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from disagg.contracts import FINISH_ERROR, RoutedReply
 from disagg.errors import PoolError
 from disagg.routing.endpoint import ChatRequest, EndpointError, OpenAIEndpoint
 from disagg.routing.policy import OPENAI, Policy, PolicySource, RouteFeatures, Target
 
 log = logging.getLogger("disagg.router")
-FINISH_ERROR = "error"  # an endpoint failed after part of the answer was sent
-
-
-@dataclass
-class RoutedReply:
-    """One response: a delta while streaming, or the final reply (finish_reason set)."""
-
-    text: str
-    num_input_tokens: int = 0
-    num_output_tokens: int = 0
-    finish_reason: str | None = None
-    target: str = ""  # final: the policy target that served it
-    reason: str = ""  # final: why (rule name, "default", or what made it fall back)
-    served_by: str = ""  # final: endpoint name, or the local pipeline's own served_by
-    error: str = ""  # final, with finish_reason "error": what failed
-
-
 @dataclass(frozen=True)
 class RouteRequest:
     request_id: str  # unique: the local pipeline's cancellation is addressed by it
@@ -73,12 +56,6 @@ class RouterEvents:
 
     def retry(self, endpoint: str) -> None:
         """A request passed on to `endpoint` after an earlier endpoint of its pool failed."""
-
-
-def new_request_id(client_id: str = "") -> str:
-    """Unique, file-name safe, and greppable by the client's own id when it sent one."""
-    safe = "".join(c for c in client_id if c.isalnum() or c in "_-")[:64]
-    return f"{safe}-{uuid.uuid4().hex[:16]}" if safe else uuid.uuid4().hex
 
 
 class Router:

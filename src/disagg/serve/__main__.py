@@ -9,10 +9,11 @@ import signal
 import sys
 import time
 
+from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
 from disagg.serve.gateway_process import GatewayProcess
-from disagg.serve.server import ADMIN_HEADER, ADMIN_KEY_ENV, TritonServer
+from disagg.serve.server import TritonServer
 from disagg.serve.settings import ServeSettings
 
 

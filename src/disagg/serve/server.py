@@ -16,16 +16,14 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV, TOKEN_ENV
 from disagg.errors import ConfigError
 from disagg.serve import procargs, triton_install
 from disagg.serve.render import render_repositories
 from disagg.serve.settings import ROOT, ServeSettings, template_values
 from disagg.serve.supervisor import StubSupervisor
-from disagg.triton.protocol import TOKEN_ENV
 
 log = logging.getLogger("disagg.serve")
-ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
-ADMIN_HEADER = "admin-key"
 # Triton APIs that change or inspect the server beyond inference: behind the admin key.
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 SHM_BYTES = 64 * 2**20  # Python backend shared memory per stub: KV payloads are tens of MB

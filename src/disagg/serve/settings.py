@@ -13,11 +13,11 @@ import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from disagg.contracts import MODES
 from disagg.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]
 ENV_PREFIX = "DISAGG_"
-MODES = ("disaggregated", "colocated", "conditional")
 
 
 @dataclass(frozen=True)

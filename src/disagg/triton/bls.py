@@ -16,12 +16,12 @@ from collections.abc import Iterator
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from disagg import contracts as P
 from disagg.cancel import CancelRegistry
+from disagg.contracts import DecodeStep, Handoff, RoutedReply
 from disagg.errors import KVPayloadError, PoolError, RequestError
 from disagg.process import process_alive
 from disagg.sequence import SamplingParams
-from disagg.triton import protocol as P
-from disagg.triton.orchestrator import DecodeStep, Handoff
 from disagg.triton.pb import (
     FINAL,
     error_response,
@@ -430,7 +430,6 @@ class BlsLocalPipeline:
 
     @staticmethod
     def _replies(model: str, responses):
-        from disagg.routing.router import RoutedReply
 
         for response in responses:
             if pb_utils.get_output_tensor_by_name(response, P.TEXT_OUTPUT) is None:

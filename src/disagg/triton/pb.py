@@ -14,10 +14,10 @@ import os
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from disagg import contracts as P
 from disagg.config import EngineConfig
+from disagg.contracts import Reply
 from disagg.errors import PoolError, RequestError
-from disagg.triton import protocol as P
-from disagg.triton.orchestrator import Reply
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _log = logging.getLogger("disagg.triton")
@@ -164,25 +164,11 @@ def error_code(exc: Exception):
     return codes.UNAVAILABLE if kind == P.UNAVAILABLE else codes.INTERNAL
 
 
-def error_kind(exc: Exception) -> str:
-    """A metric label for an error: invalid_request, unavailable or internal."""
-    return P.error_kind_of(exc)
-
-
-# Message prefixes by error kind: a gRPC stream carries an error's message but not its code,
-# so clients such as the gateway read the kind from here.
-_PREFIXES = ("invalid request: ", "unavailable: ")
-
-
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
-    code = error_code(exc)
-    message = str(exc)
-    if not message.startswith(_PREFIXES):  # not already prefixed by a model behind us
-        if code == pb_utils.TritonError.INVALID_ARG:
-            message = _PREFIXES[0] + message
-        elif code == pb_utils.TritonError.UNAVAILABLE:
-            message = _PREFIXES[1] + message
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+    """A Triton error with the kind's code, its message tagged with the kind (a gRPC stream
+    carries the message alone; contracts.split_error reads the kind back)."""
+    message = P.tag_error(P.error_kind_of(exc), str(exc))
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code(exc)))
 
 
 def raise_for_error(response, what: str) -> None:
@@ -192,7 +178,7 @@ def raise_for_error(response, what: str) -> None:
         return
     err = response.error()
     if err.code() == pb_utils.TritonError.INVALID_ARG:
-        raise RequestError(err.message())
+        raise RequestError(P.split_error(err.message())[1])
     raise PoolError(f"{what}: {err.message()}")
 
 

@@ -10,6 +10,7 @@ import threading
 import triton_python_backend_utils as pb_utils
 
 from disagg import metrics as M
+from disagg.contracts import DecodeStats
 
 _log = logging.getLogger("disagg.triton")
 
@@ -200,21 +201,20 @@ class DecodeMetrics:
         self.queue, self.prefill_s = Family(M.QUEUE), Family(M.PREFILL)
         self.last_steps = 0
 
-    def on_step(self, stats: dict) -> None:
-        """Gauges from DecodeEngine.stats(); an engine that lacks a figure leaves it out."""
-        running, waiting = stats.get("num_running", 0), stats.get("num_waiting", 0)
-        self.active.set(running + waiting)
-        self.batch.set(running)
-        self.waiting.set(waiting)
-        for family, key in (
-            (self.kv, "kv_bytes_reserved"),
-            (self.kv_capacity, "kv_bytes_capacity"),
+    def on_step(self, stats: DecodeStats) -> None:
+        """Gauges from the engine's stats(); a figure the engine does not know is left out."""
+        self.active.set(stats.num_running + stats.num_waiting)
+        self.batch.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        for family, value in (
+            (self.kv, stats.kv_bytes_reserved),
+            (self.kv_capacity, stats.kv_bytes_capacity),
         ):
-            if key in stats:
-                family.set(stats[key])
-        if "num_steps" in stats:
-            self.steps.inc(stats["num_steps"] - self.last_steps)
-            self.last_steps = stats["num_steps"]
+            if value is not None:
+                family.set(value)
+        if stats.num_steps is not None:
+            self.steps.inc(stats.num_steps - self.last_steps)
+            self.last_steps = stats.num_steps
 
     def on_admit(self, queue_s: float, prefill_s: float | None) -> None:
         self.queue.observe(queue_s, pool="decode")

@@ -6,9 +6,10 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+from disagg.contracts import error_kind_of
 from disagg.errors import PoolError
 from disagg.triton.bls import CallerWatch, ack_response, failure_response, is_bls_caller
-from disagg.triton.pb import FINAL, error_kind, requested_outputs
+from disagg.triton.pb import FINAL, requested_outputs
 
 _log = logging.getLogger("disagg.triton")
 
@@ -95,7 +96,7 @@ class RequestRunner:
 
     def _error_response(self, exc: Exception, as_outputs: bool = False):
         if self.on_error is not None:
-            self.on_error(error_kind(exc))
+            self.on_error(error_kind_of(exc))
         return failure_response(exc, as_outputs, self.batched)
 
     def shutdown(self) -> None:

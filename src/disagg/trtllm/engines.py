@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from disagg.contracts import DecodeStats
 from disagg.engine import PrefillResult, TokenOutput, resolve_seed
 from disagg.errors import CapacityError, RequestError
 from disagg.sequence import FinishReason, SamplingParams
@@ -108,8 +109,8 @@ class TrtllmDecodeEngine:
     def has_unfinished(self) -> bool:
         return bool(self._streams) or not self._events.empty()
 
-    def stats(self) -> dict[str, int]:
-        return {"num_running": len(self._streams), "num_waiting": 0}
+    def stats(self) -> DecodeStats:
+        return DecodeStats(num_running=len(self._streams), num_waiting=0)
 
     def add_request(
         self,

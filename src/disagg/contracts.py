@@ -1,4 +1,6 @@
-"""Tensor names and the data contracts between the Triton models. Every name is defined here once.
+"""Every contract that crosses a process or model boundary, defined once: tensor names, the
+types that travel between stages, the request-id scheme, how an error's kind travels, and
+the names of serving modes and admin credentials. No Triton here; everything imports it.
 
 Client-facing names follow the TensorRT-LLM ensemble, so its clients work unchanged.
 Internal names (prefill, decode) carry disagg's own contracts: sampling parameters travel as
@@ -8,7 +10,10 @@ one JSON string, the KV cache as the bytes of a `KVPayload`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+import re
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from disagg.errors import (
     CapacityError,
@@ -18,6 +23,9 @@ from disagg.errors import (
     RequestError,
 )
 from disagg.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # ------------------------------------------------------------------ client-facing (ensemble)
 TEXT_INPUT = "text_input"
@@ -116,6 +124,25 @@ ERROR_KIND = "error_kind"  # BYTES [1]: "" on success
 INVALID_REQUEST, UNAVAILABLE, INTERNAL = "invalid_request", "unavailable", "internal"
 ERROR_KINDS = (INVALID_REQUEST, UNAVAILABLE, INTERNAL)
 
+# The ensemble's four outputs, present on every response; the router's final one adds
+# ROUTER_EXTRAS, the orchestrator's adds ORCHESTRATOR_EXTRAS.
+CLIENT_OUTPUTS = (TEXT_OUTPUT, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, FINISH_REASON)
+ROUTER_EXTRAS = (ROUTE_TARGET, ROUTE_REASON, SERVED_BY, ERROR)
+ORCHESTRATOR_EXTRAS = (SERVED_BY, PREFILL_PID, DECODE_PID, KV_BYTES, KV_HANDOFF_US)
+FINISH_ERROR = "error"  # finish_reason: a stage failed after part of the answer was sent
+
+# ------------------------------------------------------------------ serving modes
+DISAGGREGATED = "disaggregated"  # prefill pool -> KV hand-off -> decode pool
+COLOCATED = "colocated"  # decode prefills too
+CONDITIONAL = "conditional"  # per request, by the cost model (pipeline/conditional.py)
+FALLBACK = "fallback"  # served_by only: disaggregated, but prefill failed and decode prefilled
+MODES = (DISAGGREGATED, COLOCATED, CONDITIONAL)
+
+# ------------------------------------------------------------------ admin credentials
+ADMIN_HEADER = "admin-key"  # Triton's restricted APIs and the gateway's /admin routes
+ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
+REQUEST_ID_HEADER = "x-request-id"  # the gateway's; becomes the router's request id
+
 
 def error_kind_of(exc: BaseException) -> str:
     """The kind of a failure, as it travels between models and in metric labels."""
@@ -147,3 +174,127 @@ def sampling_from_json(text: str) -> SamplingParams:
         return SamplingParams(**data)
     except (ValueError, TypeError) as e:
         raise RequestError(f"malformed sampling parameters: {e}") from e
+
+
+# ------------------------------------------------------------------ how an error's kind travels
+# Between models, a failure is an error response with a Triton code (INVALID_ARG for
+# invalid_request, UNAVAILABLE, INTERNAL) or, inside a BLS stream, ERROR_KIND/ERROR outputs.
+# A gRPC stream carries an error's message but not its code, so the message starts with the
+# kind's tag: `[invalid_request] prompt is empty`. `split_error` reads it back.
+_TAG = re.compile(r"\[(" + "|".join(ERROR_KINDS) + r")\] ")
+
+
+def tag_error(kind: str, message: str) -> str:
+    """The message as it leaves a model: tagged with its kind once (a model behind us may
+    have tagged it already)."""
+    return message if _TAG.search(message) else f"[{kind}] {message}"
+
+
+def split_error(message: str) -> tuple[str, str]:
+    """(kind, message without the tag) of an error message from a model; INTERNAL when
+    untagged (Triton's own errors). Triton may put words of its own before a model's
+    message (`in ensemble 'x', ...`), so the tag is looked for anywhere."""
+    m = _TAG.search(message)
+    if m is None:
+        return INTERNAL, message
+    return m.group(1), message[m.end() :]
+
+
+# ------------------------------------------------------------------ request ids
+# One scheme from the gateway to decode. A client's id (the gateway's x-request-id, a Triton
+# request id) is kept when safe, so logs are greppable by it; each stage that starts work of
+# its own extends its caller's id with a dot: `client-1f2e...` (router) ->
+# `client-1f2e....9a8b...` (orchestrator). Cancelling an id cancels every id that extends it
+# (cancel.py), so a caller that knows only its own id reaches decode.
+SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_UNSAFE_CLIENT_CHARS = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def client_request_id(given: str) -> str:
+    """A client's id, reduced to safe characters (at most 64); "" when nothing is left."""
+    return _UNSAFE_CLIENT_CHARS.sub("", given or "")[:64]
+
+
+def new_request_id(client_id: str = "") -> str:
+    """The first stage's id: unique, and starting with the client's id when it sent one."""
+    safe = client_request_id(client_id)
+    return f"{safe}-{uuid.uuid4().hex[:16]}" if safe else uuid.uuid4().hex
+
+
+def child_request_id(caller_id: str) -> str:
+    """A later stage's id: unique, extending the caller's (when it is safe and short enough)
+    so that cancelling the caller's id cancels this one too."""
+    suffix = uuid.uuid4().hex
+    if caller_id and len(caller_id) <= 96 and SAFE_REQUEST_ID.match(caller_id):
+        return f"{caller_id}.{suffix[:12]}"
+    return suffix
+
+
+# ------------------------------------------------------------------ boundary types
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the prefill pool returns: the first token and the KV payload, still as bytes
+    (the decode pool parses and verifies it; the orchestrator only forwards it)."""
+
+    first_token: int
+    seed: int
+    kv_payload: np.ndarray  # uint8 [n]: KVPayload.to_bytes()
+    worker_pid: int
+    prefill_time_s: float  # compute only, as measured by the prefill worker
+    start_wall_s: float = 0.0  # time.time() when its compute began (0: not reported)
+    call_time_s: float = 0.0  # the whole prefill call, as the orchestrator saw it
+    queue_s: float = 0.0  # sent -> compute began (same host's clock; 0 when not reported)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One response of the decode pool."""
+
+    token_ids: list[int]
+    finish_reason: str | None  # set on the last response
+    worker_pid: int
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    """A decode engine's state after a step (metrics); None: this engine does not know it."""
+
+    num_running: int
+    num_waiting: int
+    num_steps: int | None = None
+    num_kv_blocks_used: int | None = None
+    num_kv_blocks_total: int | None = None
+    kv_bytes_reserved: int | None = None
+    kv_bytes_capacity: int | None = None
+
+
+@dataclass
+class Reply:
+    """One response of the local pipeline: a delta while streaming, the whole reply otherwise."""
+
+    text: str
+    num_input_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None  # set on the final reply only
+    served_by: str = ""
+    prefill_pid: int = 0
+    decode_pid: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    kv_bytes: int = 0  # size of the KV payload handed from prefill to decode
+    kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
+
+
+@dataclass
+class RoutedReply:
+    """One response of the router: a delta while streaming, or the final reply."""
+
+    text: str
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    finish_reason: str | None = None
+    target: str = ""  # final: the policy target that served it
+    reason: str = ""  # final: why (rule name, "default", or what made it fall back)
+    served_by: str = ""  # final: endpoint name, or the local pipeline's own served_by
+    error: str = ""  # final, with finish_reason FINISH_ERROR: what failed

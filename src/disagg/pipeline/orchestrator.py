@@ -4,10 +4,11 @@
          |                                                 |
          `--- fails or times out: decode prefills itself --'   (nothing is lost)
 
-The pools are interfaces: `pb.py` implements them with BLS calls into this Triton server; a
-remote Triton server would implement the same two methods. The orchestrator turns tokens
-into text (whole characters, stop strings) so that streamed deltas concatenate exactly to
-the full reply.
+The pools are interfaces: `local.py` implements them in this process, `triton/pools.py`
+with BLS calls into this Triton server; a remote server would implement the same two
+methods. The orchestrator turns tokens into text (whole characters, stop strings) so that
+streamed deltas concatenate exactly to the full reply: the one token -> text loop, used by
+the Triton models and by `disagg.llm` alike.
 """
 
 from __future__ import annotations
@@ -15,51 +16,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
+from disagg import contracts as C
 from disagg.config import EngineConfig, ModelArgs
-from disagg.engine import validate_request
+from disagg.contracts import (
+    COLOCATED,
+    CONDITIONAL,
+    DISAGGREGATED,
+    FALLBACK,
+    MODES,
+    DecodeStep,
+    Handoff,
+    Reply,
+    child_request_id,
+)
 from disagg.errors import PoolError, RequestError
-from disagg.sequence import FinishReason, SamplingParams
+from disagg.pipeline.conditional import CostModel, Load, LoadTracker
+from disagg.sequence import FinishReason, SamplingParams, validate_request
 from disagg.tokenizer import TextStream, Tokenizer
-from disagg.triton.conditional import CostModel, Load, LoadTracker
 
 log = logging.getLogger("disagg.orchestrator")
-
-DISAGGREGATED = "disaggregated"
-COLOCATED = "colocated"
-CONDITIONAL = "conditional"  # per request, by the cost model in conditional.py
-FALLBACK = "fallback"  # disaggregated, but the prefill pool failed: decode prefilled
-MODES = (DISAGGREGATED, COLOCATED, CONDITIONAL)
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """What the prefill pool returns: the first token and the KV payload, still as bytes
-    (the decode pool parses and verifies it; the orchestrator only forwards it)."""
-
-    first_token: int
-    seed: int
-    kv_payload: np.ndarray  # uint8 [n]: KVPayload.to_bytes()
-    worker_pid: int
-    prefill_time_s: float  # compute only, as measured by the prefill worker
-    start_wall_s: float = 0.0  # time.time() when its compute began (0: not reported)
-    call_time_s: float = 0.0  # the whole prefill call, as the orchestrator saw it
-    queue_s: float = 0.0  # sent -> compute began (same host's clock; 0 when not reported)
-
-
-@dataclass(frozen=True)
-class DecodeStep:
-    """One response of the decode pool."""
-
-    token_ids: list[int]
-    finish_reason: str | None  # set on the last response
-    worker_pid: int
 
 
 class PrefillPool(Protocol):
@@ -116,34 +95,9 @@ class OrchestratorEvents:
 
 
 @dataclass
-class Reply:
-    """One response to the client: a delta while streaming, the whole reply otherwise."""
-
-    text: str
-    num_input_tokens: int
-    num_output_tokens: int
-    finish_reason: str | None = None  # set on the final reply only
-    served_by: str = ""
-    prefill_pid: int = 0
-    decode_pid: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    kv_bytes: int = 0  # size of the KV payload handed from prefill to decode
-    kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
-
-
-@dataclass
 class _Timing:
     arrival_s: float
     last_token_s: float | None = None
-
-
-def request_id_for(caller_id: str) -> str:
-    """A unique id that extends the caller's (when it is a safe name), so a caller that
-    marks its own id in the cancel registry cancels this request too."""
-    suffix = uuid.uuid4().hex
-    if caller_id and len(caller_id) <= 96 and all(c.isalnum() or c in "_-." for c in caller_id):
-        return f"{caller_id}.{suffix[:12]}"
-    return suffix
 
 
 def build_request(
@@ -154,8 +108,8 @@ def build_request(
 ) -> GenerateRequest:
     """Client-facing fields (TensorRT-LLM ensemble names, already plain Python values) ->
     a validated-shape GenerateRequest. Semantic limits are checked by `check_request`."""
-    prompt_ids = [int(t) for t in fields.get("input_ids", [])]
-    for name in ("max_tokens", "top_k", "end_id", "pad_id"):
+    prompt_ids = [int(t) for t in fields.get(C.INPUT_IDS, [])]
+    for name in (C.MAX_TOKENS, C.TOP_K, C.END_ID, C.PAD_ID):
         if fields.get(name) is not None and int(fields[name]) < 0:
             # Triton's HTTP endpoint stores a JSON number above 2**31-1 into the INT32 tensor
             # modulo 2**32: 3e9 arrives as -1294967296; say so rather than echo that number
@@ -163,28 +117,28 @@ def build_request(
                 f"{name} must not be negative, got {fields[name]} (if you sent a number "
                 "above 2147483647, Triton's INT32 input wrapped it around)"
             )
-    stop = tuple(s for s in fields.get("stop_words", []) if s)
-    bad = tuple(tuple(tokenizer.encode(w)) for w in fields.get("bad_words", []) if w)
-    stop_ids = () if fields.get("end_id") is None else (int(fields["end_id"]),)
-    seed = fields.get("seed")
+    stop = tuple(s for s in fields.get(C.STOP_WORDS, []) if s)
+    bad = tuple(tuple(tokenizer.encode(w)) for w in fields.get(C.BAD_WORDS, []) if w)
+    stop_ids = () if fields.get(C.END_ID) is None else (int(fields[C.END_ID]),)
+    seed = fields.get(C.SEED)
     params = SamplingParams(
-        max_tokens=int(fields.get("max_tokens", max_tokens_default)),
-        temperature=float(fields.get("temperature", 0.0)),
-        top_k=int(fields.get("top_k", 0)),
-        top_p=float(fields.get("top_p", 1.0)),
+        max_tokens=int(fields.get(C.MAX_TOKENS, max_tokens_default)),
+        temperature=float(fields.get(C.TEMPERATURE, 0.0)),
+        top_k=int(fields.get(C.TOP_K, 0)),
+        top_p=float(fields.get(C.TOP_P, 1.0)),
         seed=None if seed is None else int(seed),
         stop_token_ids=stop_ids,
         stop=stop,
         bad_words_ids=bad,
-        ignore_eos=bool(fields.get("ignore_eos", False)),
+        ignore_eos=bool(fields.get(C.IGNORE_EOS, False)),
     )
     return GenerateRequest(
-        request_id=request_id_for(caller_id),
+        request_id=child_request_id(caller_id),
         prompt_ids=prompt_ids,
-        prompt_text=fields.get("text_input", ""),
+        prompt_text=fields.get(C.TEXT_INPUT, ""),
         params=params,
-        stream=bool(fields.get("stream", False)),
-        exclude_input_in_output=bool(fields.get("exclude_input_in_output", False)),
+        stream=bool(fields.get(C.STREAM, False)),
+        exclude_input_in_output=bool(fields.get(C.EXCLUDE_INPUT_IN_OUTPUT, False)),
     )
 
 
