@@ -31,7 +31,7 @@ from serving_bench import PROMPTS  # benchmarks/ is the script's own directory
 from disagg.client import GrpcClient
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
-from disagg.serve.settings import ServeSettings
+from disagg.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 PATHS = ("ensemble", "router", "gateway")

@@ -27,7 +27,7 @@ import openai
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
-from disagg.serve.settings import ServeSettings
+from disagg.settings import ServeSettings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import stub_pids  # noqa: E402

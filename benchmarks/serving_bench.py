@@ -27,7 +27,7 @@ from disagg.client import HttpClient
 from disagg.llm import LLM
 from disagg.sequence import SamplingParams
 from disagg.serve.server import TritonServer, free_ports
-from disagg.serve.settings import ServeSettings
+from disagg.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [

@@ -27,7 +27,7 @@ import openai
 
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
-from disagg.serve.settings import ServeSettings
+from disagg.settings import ServeSettings
 from disagg.serve.supervisor import stub_processes
 
 ROOT = Path(__file__).resolve().parents[1]

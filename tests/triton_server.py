@@ -10,7 +10,7 @@ from disagg.serve.server import free_ports
 
 def start_server(engine_dir, build_dir, **overrides):
     from disagg.serve.server import TritonServer
-    from disagg.serve.settings import ServeSettings
+    from disagg.settings import ServeSettings
 
     http, grpc, metrics = free_ports(3)
     settings = ServeSettings(

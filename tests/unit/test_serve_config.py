@@ -8,7 +8,7 @@ from tritonclient.grpc import model_config_pb2
 
 from disagg.errors import ConfigError
 from disagg.serve.render import render_config, render_repositories
-from disagg.serve.settings import ServeSettings, template_values
+from disagg.settings import ServeSettings, template_values
 
 pytestmark = pytest.mark.unit
 
@@ -70,27 +70,33 @@ def test_every_template_renders_to_a_valid_model_config(tmp_path):
     assert configs["decode"].instance_group[0].count == 3
     assert configs["decode"].model_transaction_policy.decoupled
     assert not configs["orchestrator_sync"].model_transaction_policy.decoupled
-    policy = configs["router"].parameters["policy"].string_value
+    policy = configs["router"].parameters["router_policy"].string_value
     assert Path(policy).is_absolute() and Path(policy).is_file()
     engine = configs["decode"].parameters["engine_dir"].string_value
     assert Path(engine).is_absolute() and engine.endswith("engines/smollm2-135m-instruct")
 
 
-def test_ensemble_steps_name_tensors_that_exist():
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict:
+    """Every model config as `disagg serve` renders it (the _sync twins are generated)."""
+    out = tmp_path_factory.mktemp("rendered")
+    repos = render_repositories(template_values(ServeSettings(), out / "run"), out / "repo")
+    return {
+        cfg.parent.name: text_format.Parse(cfg.read_text(), model_config_pb2.ModelConfig())
+        for repo in repos
+        for cfg in repo.glob("*/config.pbtxt")
+    }
+
+
+def test_ensemble_steps_name_tensors_that_exist(rendered):
     """Every ensemble step maps inputs/outputs that its model declares, and every ensemble
     input the steps read is declared by the ensemble (or produced by an earlier step)."""
-    from disagg.serve.settings import ROOT
-
-    def parse(path):
-        text = render_config(path.read_text(), {k: "1" for k in _keys(path)}, str(path))
-        return text_format.Parse(text, model_config_pb2.ModelConfig())
-
-    models = {p.parent.name: parse(p) for p in (ROOT / "model_repository").glob("*/config.pbtxt")}
-    for ens_path in (ROOT / "ensembles").glob("*/config.pbtxt"):
-        ens = parse(ens_path)
+    ensembles = [c for c in rendered.values() if c.platform == "ensemble"]
+    assert {e.name for e in ensembles} == {"ensemble", "ensemble_sync"}
+    for ens in ensembles:
         available = {i.name for i in ens.input}
         for step in ens.ensemble_scheduling.step:
-            model = models[step.model_name]
+            model = rendered[step.model_name]
             assert set(step.input_map) <= {i.name for i in model.input}, step.model_name
             assert set(step.input_map.values()) <= available, step.model_name
             assert set(step.output_map) <= {o.name for o in model.output}, step.model_name
@@ -98,17 +104,11 @@ def test_ensemble_steps_name_tensors_that_exist():
         assert {o.name for o in ens.output} <= available
 
 
-def test_the_router_takes_and_returns_what_the_ensemble_does():
+def test_the_router_takes_and_returns_what_the_ensemble_does(rendered):
     """So a client of the ensemble switches to the router by changing the model name."""
-    from disagg.serve.settings import ROOT
-
-    def parse(path):
-        text = render_config(path.read_text(), {k: "1" for k in _keys(path)}, str(path))
-        return text_format.Parse(text, model_config_pb2.ModelConfig())
-
-    ens = parse(ROOT / "ensembles/ensemble/config.pbtxt")
+    ens = rendered["ensemble"]
     for name in ("router", "router_sync"):
-        router = parse(ROOT / f"model_repository/{name}/config.pbtxt")
+        router = rendered[name]
         router_in = {i.name: (i.data_type, list(i.dims)) for i in router.input}
         for i in ens.input:
             assert router_in[i.name] == (i.data_type, list(i.dims)), (name, i.name)
@@ -117,7 +117,58 @@ def test_the_router_takes_and_returns_what_the_ensemble_does():
         assert all(i.optional for i in router.input), name
 
 
-def _keys(path):
-    import re
+def test_sync_twins_are_their_streaming_models_answering_once(rendered):
+    """Generated, not hand-kept: same tensors and parameters, one response per request, and
+    the ensemble's twin chains the orchestrator's twin."""
+    for name in ("router", "orchestrator", "ensemble"):
+        stream, sync = rendered[name], rendered[name + "_sync"]
+        assert [(i.name, i.data_type, list(i.dims)) for i in stream.input] == [
+            (i.name, i.data_type, list(i.dims)) for i in sync.input
+        ]
+        assert list(stream.output) == list(sync.output)
+        assert dict(stream.parameters) == dict(sync.parameters)
+        assert not sync.model_transaction_policy.decoupled
+        if name != "ensemble":
+            assert stream.model_transaction_policy.decoupled
+            assert sync.dynamic_batching.max_queue_delay_microseconds == 1000
+            ragged = [i.name for i in sync.input if list(i.dims) == [-1]]
+            assert ragged and all(i.allow_ragged_batch for i in sync.input if i.name in ragged)
+    steps = [s.model_name for s in rendered["ensemble_sync"].ensemble_scheduling.step]
+    assert steps == ["tokenizer", "orchestrator_sync"]
 
-    return set(re.findall(r"\$\{(\w+)\}", path.read_text()))
+
+def test_model_parameters_are_typed_and_named_as_settings(rendered):
+    """Each model reads its config.pbtxt parameters through ModelParams: every key names a
+    setting (or a model-only parameter) and comes back in the setting's type."""
+    from disagg.settings import ModelParams
+
+    for name, cfg in rendered.items():
+        raw = {k: v.string_value for k, v in cfg.parameters.items()}
+        params = ModelParams(raw, name)  # an unknown key would raise here
+        for key in raw:
+            default = getattr(ServeSettings(), key, None)
+            if default is not None:
+                assert type(getattr(params, key)) is type(default), (name, key)
+    decode = ModelParams({k: v.string_value for k, v in rendered["decode"].parameters.items()})
+    assert decode.engine_config("decode").max_num_seqs == ServeSettings().decode_max_num_seqs
+    with pytest.raises(ConfigError, match="name no setting"):
+        ModelParams({"max_num_seqs": "4"}, "decode")
+    with pytest.raises(ConfigError, match="has no parameter 'mode'"):
+        _ = decode.mode
+
+
+def test_settings_come_in_groups_and_a_toml_table_per_group(tmp_path):
+    from dataclasses import fields
+
+    from disagg.settings import GROUPS
+
+    names = [n for group in GROUPS.values() for n in group]
+    assert sorted(names) == sorted(f.name for f in fields(ServeSettings))  # each in one group
+    assert set(GROUPS) == {"server", "pools", "tensorrt_llm", "gateway", "paths"}
+    toml = tmp_path / "s.toml"
+    toml.write_text('[pools]\nprefill_instances = 3\n[gateway]\ngateway_rpm = 5\n')
+    s = ServeSettings.load(toml, env={})
+    assert (s.prefill_instances, s.gateway_rpm) == (3, 5)
+    toml.write_text("[gateway]\nprefill_instances = 3\n")
+    with pytest.raises(ConfigError, match="not in group"):
+        ServeSettings.load(toml, env={})

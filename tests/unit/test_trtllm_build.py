@@ -13,7 +13,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from disagg.serve.render import render_repositories
-from disagg.serve.settings import ServeSettings, template_values
+from disagg.settings import ModelParams, ServeSettings, template_values
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,8 +86,8 @@ def test_gpu_variant_of_every_model_config_parses(tmp_path):
         c = configs[role]
         assert c.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
         assert c.parameters["engine_backend"].string_value == "tensorrt_llm"
-        assert c.parameters["trtllm_model"].string_value == f"/engines/{role}_engine"
-        assert c.parameters["trtllm_options"].string_value == f"/engines/{role}.yaml"
+        assert c.parameters[f"trtllm_{role}_model"].string_value == f"/engines/{role}_engine"
+        assert c.parameters[f"trtllm_{role}_options"].string_value == f"/engines/{role}.yaml"
     assert len(configs) == 9
 
 
@@ -102,12 +102,17 @@ def test_runtime_builds_each_pool_with_its_options(tmp_path, monkeypatch):
     (tmp_path / "p.yaml").write_text(
         "max_batch_size: 8\nkv_cache_config: {free_gpu_memory_fraction: 0.5}\n"
     )
-    p = {
-        "trtllm_model": "/ckpt",
-        "trtllm_options": str(tmp_path / "p.yaml"),
-        "max_model_len": "512",
-        "max_num_seqs": "3",
-    }  # noqa: E501
+    options = str(tmp_path / "p.yaml")
+    p = ModelParams(
+        {
+            "trtllm_prefill_model": "/ckpt",
+            "trtllm_prefill_options": options,
+            "trtllm_decode_model": "/ckpt",
+            "trtllm_decode_options": options,
+            "max_model_len": "512",
+            "decode_max_num_seqs": "3",
+        }
+    )
     pre = prefill_engine(p)
     assert pre.llm.model == "/ckpt" and pre.llm.options["kv_cache_config"] == {
         "free_gpu_memory_fraction": 0.5

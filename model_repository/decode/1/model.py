@@ -12,7 +12,7 @@ from disagg.engine import DecodeEngine
 from disagg.model import Llama
 from disagg.pipeline.decode_service import DecodeService
 from disagg.tokenizer import Tokenizer
-from disagg.triton import bls, pb, pb_metrics
+from disagg.triton import bls, pb, pb_metrics, pools
 
 
 class TritonPythonModel:
@@ -20,27 +20,26 @@ class TritonPythonModel:
         pb.configure_logging()
         p = pb.model_parameters(args)
         self.metrics = pb_metrics.DecodeMetrics(args["model_name"], args["model_instance_name"])
-        if p.get("engine_backend", "pytorch") == "tensorrt_llm":
+        if p.engine_backend == "tensorrt_llm":
             from disagg.trtllm.runtime import decode_engine
 
             engine = decode_engine(p)  # same DecodeEngine interface, TensorRT-LLM underneath
         else:
-            pb.set_torch_threads(p)
-            config = pb.engine_config(p)
-            eos = {Tokenizer(p["engine_dir"]).eos_token_id} - {None}
+            pb.set_torch_threads(p.decode_torch_threads)
+            eos = {Tokenizer(p.engine_dir).eos_token_id} - {None}
             engine = DecodeEngine(
-                Llama.load(p["engine_dir"], p.get("compute_dtype", "float32")),
-                config,
+                Llama.load(p.engine_dir, p.compute_dtype),
+                p.engine_config("decode"),
                 eos,
                 on_admit=self.metrics.on_admit,
             )
-        cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
+        cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.service = DecodeService(engine, cancels, on_step=self.metrics.on_step).start()
         self.pid = os.getpid()
 
     def execute(self, requests):
         for request in requests:
-            sink = bls.SenderSink(
+            sink = pools.SenderSink(
                 request.get_response_sender(),
                 self.pid,
                 bls.is_bls_caller(request),
@@ -51,7 +50,7 @@ class TritonPythonModel:
                 rid = request.request_id() or uuid.uuid4().hex
                 f = pb.read_fields(request, {P.SAMPLING: "str"}, batched=False)
                 params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
-                prefill, prompt_ids = bls.read_kv_handoff(request, rid)
+                prefill, prompt_ids = pools.read_kv_handoff(request, rid)
                 self.service.submit(rid, params, sink, prefill=prefill, prompt_ids=prompt_ids)
             except Exception as e:
                 sink.fail(e)

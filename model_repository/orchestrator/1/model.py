@@ -15,7 +15,7 @@ from disagg.config import load_model_args
 from disagg.pipeline.conditional import CostModel, CostParams
 from disagg.pipeline.orchestrator import Orchestrator, build_request
 from disagg.tokenizer import Tokenizer
-from disagg.triton import bls, pb, pb_metrics, runner
+from disagg.triton import bls, pb, pb_metrics, pools, runner
 
 INPUTS = {P.INPUT_IDS: "ints", **P.GENERATION_INPUTS}
 BATCHED = True  # max_batch_size > 0: tensors carry a batch dimension (of 1)
@@ -26,28 +26,27 @@ class TritonPythonModel:
         pb.configure_logging()
         p = pb.model_parameters(args)
         self.decoupled = pb.is_decoupled(args)
-        self.tokenizer = Tokenizer(p["engine_dir"])
-        self.max_tokens_default = int(p["max_tokens_default"])
-        config = pb.engine_config(p)
-        cancels = CancelRegistry(Path(p["run_dir"]) / "cancel")
+        self.tokenizer = Tokenizer(p.engine_dir)
+        self.max_tokens_default = p.max_tokens_default
+        cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         metrics = pb_metrics.OrchestratorMetrics(args["model_name"])
         cost = CostParams(
-            remote_stall=float(p["conditional_remote_stall"]),
-            prefill_instances=int(p["prefill_instances"]),
+            remote_stall=p.conditional_remote_stall,
+            prefill_instances=p.prefill_instances,
         )
         self.orchestrator = Orchestrator(
             self.tokenizer,
-            load_model_args(p["engine_dir"]),
-            config,
-            prefill_pool=bls.BlsPrefillPool(p["prefill_model"], float(p["prefill_timeout_s"])),
-            decode_pool=bls.BlsDecodePool(p["decode_model"], cancels),
-            mode=p["mode"],
+            load_model_args(p.engine_dir),
+            p.engine_config("orchestrator"),
+            prefill_pool=pools.BlsPrefillPool(p.prefill_model, p.prefill_timeout_s),
+            decode_pool=pools.BlsDecodePool(p.decode_model, cancels),
+            mode=p.mode,
             events=metrics,
             cost_model=CostModel(cost),
         )
         self.runner = runner.RequestRunner(
             self.decoupled,
-            int(p["max_concurrency"]),
+            p.orchestrator_max_concurrency,
             parse=self._parse,
             run=self.orchestrator.run,
             respond=lambda reply, requested=frozenset(): pb.reply_response(

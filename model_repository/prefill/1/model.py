@@ -8,13 +8,12 @@ import os
 import time
 
 import numpy as np
-import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as P
 from disagg.engine import PrefillEngine
 from disagg.model import Llama
 from disagg.sequence import SamplingParams
-from disagg.triton import bls, pb
+from disagg.triton import bls, pb, pools
 
 INPUTS = {P.PROMPT_IDS: "ints", P.SAMPLING: "str"}
 
@@ -25,16 +24,15 @@ class TritonPythonModel:
         p = pb.model_parameters(args)
         self.pid = os.getpid()
         self.trtllm = None
-        if p.get("engine_backend", "pytorch") == "tensorrt_llm":
+        if p.engine_backend == "tensorrt_llm":
             from disagg.trtllm.runtime import prefill_engine
 
             self.trtllm = prefill_engine(p)
             return
-        pb.set_torch_threads(p)
-        config = pb.engine_config(p)
+        pb.set_torch_threads(p.prefill_torch_threads)
         self.engine = PrefillEngine(
-            Llama.load(p["engine_dir"], p.get("compute_dtype", "float32")),
-            config,
+            Llama.load(p.engine_dir, p.compute_dtype),
+            p.engine_config("prefill"),
             reuse_kv_buffers=True,
         )
         # Payload buffers, one per request of an execute() call, reused across calls: their
@@ -69,15 +67,6 @@ class TritonPythonModel:
             compute_us = int((time.perf_counter() - start) * 1e6)  # the hand-off starts here
             if self.trtllm is None:
                 payload = result.kv.pack(self._buffer(i, result.kv.packed_size()))
-            return pb_utils.InferenceResponse(
-                [
-                    pb.tensor(P.FIRST_TOKEN, [result.first_token], np.int32),
-                    pb.tensor(P.RESOLVED_SEED, [result.seed], np.uint64),
-                    pb_utils.Tensor(P.KV_PAYLOAD, payload),
-                    pb.tensor(P.WORKER_PID, [self.pid], np.int32),
-                    pb.tensor(P.PREFILL_TIME_US, [compute_us], np.int64),
-                    pb.tensor(P.PREFILL_START_NS, [start_wall_ns], np.int64),
-                ]
-            )
+            return pools.prefill_response(result, payload, self.pid, compute_us, start_wall_ns)
         except Exception as e:
             return pb.error_response(e)

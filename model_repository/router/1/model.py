@@ -14,7 +14,7 @@ from disagg.routing.policy import PolicySource
 from disagg.routing.request import build_route_request
 from disagg.routing.router import Router
 from disagg.tokenizer import Tokenizer
-from disagg.triton import bls, pb, pb_metrics, runner
+from disagg.triton import bls, pb, pb_metrics, pools, runner
 
 INPUTS = {
     **P.GENERATION_INPUTS,
@@ -33,18 +33,18 @@ class TritonPythonModel:
         pb.configure_logging()
         p = pb.model_parameters(args)
         self.decoupled = pb.is_decoupled(args)
-        self.tokenizer = Tokenizer(p["engine_dir"])
-        self.default_model = p["served_model_name"]
-        self.max_tokens_default = int(p["max_tokens_default"])
+        self.tokenizer = Tokenizer(p.engine_dir)
+        self.default_model = p.served_model_name
+        self.max_tokens_default = p.max_tokens_default
         self.router = Router(
-            PolicySource(p["policy"]),  # an invalid policy fails the model load, loudly
-            bls.BlsLocalPipeline(CancelRegistry(Path(p["run_dir"]) / "cancel")),
+            PolicySource(p.router_policy),  # an invalid policy fails the model load, loudly
+            pools.BlsLocalPipeline(CancelRegistry(Path(p.run_dir) / "cancel")),
             count_tokens=lambda text: len(self.tokenizer.encode(text)),
             events=pb_metrics.RouterMetrics(),
         )
         self.runner = runner.RequestRunner(
             self.decoupled,
-            int(p["max_concurrency"]),
+            p.orchestrator_max_concurrency,
             parse=self._parse,
             run=self.router.run,
             respond=lambda reply, requested=frozenset(): pb.routed_response(

@@ -13,7 +13,7 @@ INPUTS = {P.TEXT_INPUT: "str", P.MESSAGES: "str", P.APPLY_CHAT_TEMPLATE: "bool"}
 class TritonPythonModel:
     def initialize(self, args):
         pb.configure_logging()
-        self.tokenizer = Tokenizer(pb.model_parameters(args)["engine_dir"])
+        self.tokenizer = Tokenizer(pb.model_parameters(args).engine_dir)
 
     def execute(self, requests):
         return [self._encode(r) for r in requests]

@@ -80,7 +80,7 @@ def cmd_run(args) -> int:
 
 def cmd_compare(args) -> int:
     from disagg.serve.server import TritonServer, free_ports
-    from disagg.serve.settings import ServeSettings
+    from disagg.settings import ServeSettings
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

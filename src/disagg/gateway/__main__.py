@@ -21,7 +21,7 @@ from disagg.gateway.app import GatewayConfig, create_app
 from disagg.gateway.auth import KEYS_ENV, KeyStore, RateLimiter
 from disagg.gateway.backend import TritonBackend
 from disagg.gateway.registry import Registry
-from disagg.serve.settings import ServeSettings
+from disagg.settings import ServeSettings
 
 
 def _env_keys(env) -> str:

@@ -14,7 +14,7 @@ from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer
-from disagg.serve.settings import ServeSettings
+from disagg.settings import ServeSettings
 
 
 def first_api_key(settings: ServeSettings) -> str | None:

@@ -12,7 +12,7 @@ import urllib.request
 from dataclasses import fields
 from pathlib import Path
 
-from disagg.serve.settings import ENV_PREFIX, ROOT, ServeSettings
+from disagg.settings import ENV_PREFIX, ROOT, ServeSettings
 
 
 def settings_env(settings: ServeSettings) -> dict[str, str]:

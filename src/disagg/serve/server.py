@@ -20,8 +20,8 @@ from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV, TOKEN_ENV
 from disagg.errors import ConfigError
 from disagg.serve import procargs, triton_install
 from disagg.serve.render import render_repositories
-from disagg.serve.settings import ROOT, ServeSettings, template_values
 from disagg.serve.supervisor import StubSupervisor
+from disagg.settings import ROOT, ServeSettings, template_values
 
 log = logging.getLogger("disagg.serve")
 # Triton APIs that change or inspect the server beyond inference: behind the admin key.

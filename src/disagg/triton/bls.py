@@ -1,6 +1,7 @@
-"""Calls between the models of one server (BLS): the pools the orchestrator and the router
-use, the decode model's response sink, and the contract that keeps failures from getting
-lost inside BLS streams (protocol.py, "failures inside a BLS stream")."""
+"""The contract of calls between the models of one server (BLS): who may call an internal
+model, the caller's and the callee's liveness, acknowledgements, and failures that must not
+get lost inside a BLS stream (contracts.py, "failures inside a BLS stream"). The pools built
+on it are in pools.py."""
 
 from __future__ import annotations
 
@@ -11,25 +12,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as P
-from disagg.cancel import CancelRegistry
-from disagg.contracts import DecodeStep, Handoff, RoutedReply
-from disagg.errors import KVPayloadError, PoolError, RequestError
+from disagg.errors import PoolError, RequestError
 from disagg.process import process_alive
-from disagg.sequence import SamplingParams
-from disagg.triton.pb import (
-    FINAL,
-    error_response,
-    input_array,
-    output_array,
-    raise_for_error,
-    tensor,
-)
+from disagg.triton.pb import error_response, raise_for_error, tensor
 
 
 def _request_parameters(request) -> dict:
@@ -41,7 +31,7 @@ def _request_parameters(request) -> dict:
 
 
 def is_bls_caller(request) -> bool:
-    """Whether another model of this server sent `request` over BLS (see protocol.py)."""
+    """Whether another model of this server sent `request` over BLS (see contracts.py)."""
     return _request_parameters(request).get(P.CALLER_PARAM) == P.BLS_CALLER
 
 
@@ -66,7 +56,7 @@ BLS_PARAMETERS = {
 
 
 class CallerWatch:
-    """Whether the model process that sent a BLS request has died (protocol.py,
+    """Whether the model process that sent a BLS request has died (contracts.py,
     CALLER_PID_PARAM); pid 0 watches nothing. Asked before every send (a send to a caller
     that died can block for good), so it reads /proc every time by default (~10 us)."""
 
@@ -156,105 +146,6 @@ def bls_stream(req, what: str, liveness_check_s: float = 1.0):
         yield response
 
 
-# ------------------------------------------------------------------ BLS pools
-
-
-class BlsPrefillPool:
-    """The prefill pool as the Triton model `model_name` in this server."""
-
-    def __init__(self, model_name: str, timeout_s: float) -> None:
-        self.model_name = model_name
-        self.timeout_us = int(timeout_s * 1e6)
-
-    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Handoff:
-        req = pb_utils.InferenceRequest(
-            model_name=self.model_name,
-            request_id=request_id,
-            inputs=[
-                tensor(P.PROMPT_IDS, prompt_ids, np.int32),
-                tensor(P.SAMPLING, [P.sampling_to_json(params).encode()], np.object_),
-            ],
-            requested_output_names=[
-                P.FIRST_TOKEN,
-                P.RESOLVED_SEED,
-                P.KV_PAYLOAD,
-                P.WORKER_PID,
-                P.PREFILL_TIME_US,
-                P.PREFILL_START_NS,
-            ],
-            timeout=self.timeout_us,
-            parameters=BLS_PARAMETERS,
-        )
-        try:
-            response = req.exec()
-        except pb_utils.TritonModelException as e:  # model missing, not ready, timed out
-            raise PoolError(f"prefill: {e}") from e
-        raise_for_error(response, "prefill")
-        return Handoff(
-            first_token=int(output_array(response, P.FIRST_TOKEN)[0]),
-            seed=int(output_array(response, P.RESOLVED_SEED)[0]),
-            kv_payload=output_array(response, P.KV_PAYLOAD),
-            worker_pid=int(output_array(response, P.WORKER_PID)[0]),
-            prefill_time_s=int(output_array(response, P.PREFILL_TIME_US)[0]) / 1e6,
-            start_wall_s=int(output_array(response, P.PREFILL_START_NS)[0]) / 1e9,
-        )
-
-
-class BlsDecodePool:
-    """The decode pool as the decoupled Triton model `model_name` in this server."""
-
-    def __init__(
-        self, model_name: str, cancels: CancelRegistry, liveness_check_s: float = 1.0
-    ) -> None:
-        self.model_name = model_name
-        self.cancels = cancels
-        self.liveness_check_s = liveness_check_s
-
-    def generate(
-        self,
-        request_id: str,
-        params: SamplingParams,
-        *,
-        handoff: Handoff | None = None,
-        prompt_ids: list[int] | None = None,
-    ) -> Iterator[DecodeStep]:
-        inputs = [tensor(P.SAMPLING, [P.sampling_to_json(params).encode()], np.object_)]
-        if handoff is not None:
-            inputs += [
-                tensor(P.FIRST_TOKEN, [handoff.first_token], np.int32),
-                tensor(P.RESOLVED_SEED, [handoff.seed], np.uint64),
-                pb_utils.Tensor(P.KV_PAYLOAD, handoff.kv_payload),
-            ]
-        else:
-            inputs.append(tensor(P.PROMPT_IDS, prompt_ids or [], np.int32))
-        req = pb_utils.InferenceRequest(
-            model_name=self.model_name,
-            request_id=request_id,
-            inputs=inputs,
-            requested_output_names=[
-                P.TOKEN_IDS,
-                P.FINISH_REASON,
-                P.WORKER_PID,
-                P.ERROR_KIND,
-                P.ERROR,
-            ],
-            parameters=BLS_PARAMETERS,
-        )
-        for response in bls_stream(req, "decode", self.liveness_check_s):
-            if not response.output_tensors():  # the empty response that carries FINAL
-                continue
-            reason = output_array(response, P.FINISH_REASON)[0].decode()
-            pid = int(output_array(response, P.WORKER_PID)[0])
-            yield DecodeStep(
-                token_ids=[int(t) for t in output_array(response, P.TOKEN_IDS)],
-                finish_reason=reason or None,
-                worker_pid=pid,
-            )
-
-    def cancel(self, request_id: str) -> None:
-        self.cancels.mark(request_id)
-
-
 def _pump(responses, events: queue.Queue) -> None:
     try:
         for response in responses:
@@ -300,149 +191,3 @@ class Graveyard:
 
 
 FINISHED_STREAMS = Graveyard()
-
-
-# ------------------------------------------------------------------ decode responses
-
-
-class SenderSink:
-    """Decode output of one request, sent through its Triton response sender."""
-
-    def __init__(
-        self, sender, pid: int, to_bls: bool = False, caller: CallerWatch | None = None
-    ) -> None:
-        self.sender = sender
-        self.pid = pid
-        self.to_bls = to_bls  # failures as outputs (protocol.py): the caller is a BLS stream
-        self.caller = caller or CallerWatch(0)
-        self.num_sent = 0
-
-    def send(self, token_ids: list[int], finish_reason: str | None) -> None:
-        if self.caller.gone():  # DecodeService then finishes the request
-            raise PoolError(f"the caller (pid {self.caller.pid}) died")
-        response = pb_utils.InferenceResponse(
-            output_tensors=[
-                tensor(P.TOKEN_IDS, token_ids, np.int32),
-                tensor(P.FINISH_REASON, [(finish_reason or "").encode()], np.object_),
-                tensor(P.WORKER_PID, [self.pid], np.int32),
-            ]
-        )
-        self.sender.send(response, flags=FINAL if finish_reason is not None else 0)
-        self.num_sent += 1
-
-    def fail(self, error: Exception) -> None:
-        """The final response of a failed request (errors after a first response to a BLS
-        caller travel as outputs)."""
-        as_outputs = self.to_bls and self.num_sent > 0
-        self.sender.send(failure_response(error, as_outputs), flags=FINAL)
-
-    def is_cancelled(self) -> bool:
-        return self.caller.gone() or self.sender.is_cancelled()
-
-
-def read_kv_handoff(request, request_id: str):
-    """The decode model's view of an orchestrator request: (PrefillResult | None, prompt ids)."""
-    from disagg.engine import PrefillResult
-    from disagg.kv_payload import KVPayload
-    from disagg.trtllm import payload as trtllm_payload
-
-    payload = input_array(request, P.KV_PAYLOAD)
-    if payload is None:
-        prompt = input_array(request, P.PROMPT_IDS)
-        if prompt is None:
-            raise RequestError(f"give {P.KV_PAYLOAD} (with {P.FIRST_TOKEN}) or {P.PROMPT_IDS}")
-        return None, [int(t) for t in prompt.reshape(-1)]
-    first = input_array(request, P.FIRST_TOKEN)
-    seed = input_array(request, P.RESOLVED_SEED)
-    if first is None or seed is None:
-        raise KVPayloadError(f"{P.KV_PAYLOAD} needs {P.FIRST_TOKEN} and {P.RESOLVED_SEED}")
-    data = payload.tobytes() if not payload.flags.c_contiguous else payload.data
-    if trtllm_payload.is_trtllm_payload(data):  # TensorRT-LLM: DisaggregatedParams, not K/V
-        kv = trtllm_payload.from_bytes(data)
-    else:
-        kv = KVPayload.from_bytes(data)
-    return PrefillResult(
-        request_id, int(first.reshape(-1)[0]), kv, int(seed.reshape(-1)[0]), 0.0
-    ), None
-
-
-# ------------------------------------------------------------------ router
-
-
-# The orchestrator's inputs as the router forwards them (batched: [1, n]), by read kind.
-_KIND_DTYPES = {
-    "str": np.object_,
-    "strs": np.object_,
-    "int": np.int32,
-    "ints": np.int32,
-    "float": np.float32,
-    "bool": np.bool_,
-}
-_ORCHESTRATOR_DTYPES = {
-    P.INPUT_IDS: np.int32,
-    **{name: _KIND_DTYPES[kind] for name, kind in P.GENERATION_INPUTS.items()},
-    P.SEED: np.uint64,  # the one input wider than its read kind
-}
-_ORCHESTRATOR_OUTPUTS = [
-    P.TEXT_OUTPUT,
-    P.NUM_INPUT_TOKENS,
-    P.NUM_OUTPUT_TOKENS,
-    P.FINISH_REASON,
-    P.SERVED_BY,
-    P.WORKER_PID,
-    P.ERROR_KIND,
-    P.ERROR,
-]
-
-
-def _encode(value, dtype):
-    values = value if isinstance(value, list) else [value]
-    if dtype is np.object_:
-        return [v.encode("utf-8") for v in values]
-    return values
-
-
-class BlsLocalPipeline:
-    """The router's local target: an orchestrator model of this server, streamed over BLS.
-    Cancellation marks the router's request id, which the orchestrator's id extends (see
-    CancelRegistry), so decode stops that request at its next step."""
-
-    def __init__(self, cancels: CancelRegistry) -> None:
-        self.cancels = cancels
-
-    def generate(self, model: str, request_id: str, fields: dict):
-        dtypes = _ORCHESTRATOR_DTYPES
-        inputs = [
-            tensor(name, _encode(value, dtypes[name]), dtypes[name], batched=True)
-            for name, value in fields.items()
-        ]
-        req = pb_utils.InferenceRequest(
-            model_name=model,
-            request_id=request_id,
-            inputs=inputs,
-            requested_output_names=_ORCHESTRATOR_OUTPUTS,
-            parameters=BLS_PARAMETERS,
-        )
-        try:
-            yield from self._replies(model, bls_stream(req, model))
-        finally:
-            self.cancels.clear(request_id)  # a mark, if any, has done its work
-
-    @staticmethod
-    def _replies(model: str, responses):
-
-        for response in responses:
-            if pb_utils.get_output_tensor_by_name(response, P.TEXT_OUTPUT) is None:
-                continue  # the acknowledgement, or the empty response that carries FINAL
-            reason = output_array(response, P.FINISH_REASON).reshape(-1)[0].decode()
-            served = pb_utils.get_output_tensor_by_name(response, P.SERVED_BY)
-            yield RoutedReply(
-                text=output_array(response, P.TEXT_OUTPUT).reshape(-1)[0].decode("utf-8"),
-                num_input_tokens=int(output_array(response, P.NUM_INPUT_TOKENS).reshape(-1)[0]),
-                num_output_tokens=int(output_array(response, P.NUM_OUTPUT_TOKENS).reshape(-1)[0]),
-                finish_reason=reason or None,
-                served_by="" if served is None else served.as_numpy().reshape(-1)[0].decode(),
-            )
-
-    def cancel(self, request_id: str) -> None:
-        self.cancels.mark(request_id)

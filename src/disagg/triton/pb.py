@@ -15,39 +15,27 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as P
-from disagg.config import EngineConfig
 from disagg.contracts import Reply
 from disagg.errors import PoolError, RequestError
+from disagg.settings import ModelParams
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _log = logging.getLogger("disagg.triton")
 
 
-def model_parameters(args: dict) -> dict[str, str]:
-    """The `parameters` of a model's config.pbtxt, as strings."""
+def model_parameters(args: dict) -> ModelParams:
+    """The `parameters` of a model's config.pbtxt, typed as the settings they come from."""
     config = json.loads(args["model_config"])
-    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+    raw = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+    return ModelParams(raw, args.get("model_name", "model"))
 
 
-def engine_config(p: dict[str, str]) -> EngineConfig:
-    """The EngineConfig a model's parameters describe (max_num_seqs only for decode, whose
-    KV cache is then touched at start: steady-state speed from the first request)."""
-    extra = (
-        {"max_num_seqs": int(p["max_num_seqs"]), "prefault_kv": True}
-        if ("max_num_seqs" in p)
-        else {}
-    )
-    return EngineConfig(
-        max_model_len=int(p["max_model_len"]), max_tokens_limit=int(p["max_tokens_limit"]), **extra
-    )
+def set_torch_threads(threads: int) -> None:
+    """Threads for this model process; 0 keeps torch's default (all cores)."""
+    if threads > 0:
+        import torch
 
-
-def set_torch_threads(p: dict[str, str]) -> None:
-    """Threads for this model process; 0 or absent keeps torch's default (all cores)."""
-    import torch
-
-    if int(p.get("torch_threads", "0")) > 0:
-        torch.set_num_threads(int(p["torch_threads"]))
+        torch.set_num_threads(threads)
 
 
 def is_decoupled(args: dict) -> bool:

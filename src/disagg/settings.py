@@ -3,6 +3,12 @@
 Defaults below, overridden by an optional TOML file, then by environment variables named
 DISAGG_<SETTING> (e.g. DISAGG_PREFILL_INSTANCES=2). Secrets are never settings: the admin key
 comes from DISAGG_ADMIN_KEY only.
+
+Settings come in groups (GROUPS: server, pools, tensorrt_llm, gateway, paths); a TOML file may
+set them at top level or in a table named by their group (`[pools] prefill_instances = 2`).
+Names stay flat and unique, so a setting has one name everywhere: here, in DISAGG_<SETTING>,
+and as the parameter of each model's config.pbtxt that carries it, which `ModelParams`
+parses with the same rules into the same type.
 """
 
 from __future__ import annotations
@@ -13,20 +19,28 @@ import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from disagg.config import EngineConfig
 from disagg.contracts import MODES
 from disagg.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 ENV_PREFIX = "DISAGG_"
 
 
 @dataclass(frozen=True)
 class ServeSettings:
-    engine_dir: str = "engines/smollm2-135m-instruct"
+    # ---------------------------------------------------------------- server
     host: str = "127.0.0.1"  # every port binds here; loopback unless you mean otherwise
     http_port: int = 8000
     grpc_port: int = 8001
     metrics_port: int = 8002
+    triton_server: str = ""  # a tritonserver binary (e.g. NVIDIA's image); "" = nvidia-pytriton's
+    triton_backends: str = ""  # its --backend-directory, with triton_server
+    # a model whose stub died and that is not READY again this long after its reload began is
+    # given up on: the whole tritonserver is restarted (see serve/supervisor.py)
+    recover_timeout_s: float = 60.0
+    log_verbose: int = 0
+    # ---------------------------------------------------------------- pools
     # "disaggregated": every prompt through the prefill pool; "colocated": decode prefills its
     # own requests; "conditional": the orchestrator's cost model picks per request
     mode: str = "disaggregated"
@@ -46,33 +60,32 @@ class ServeSettings:
     # (NVIDIA GPUs; see docs/gpu.md and build_engines/build_trtllm_engine.py)
     engine_backend: str = "pytorch"
     instance_kind: str = "KIND_CPU"  # KIND_GPU with tensorrt_llm
+    prefill_torch_threads: int = 0  # 0: torch's default (all cores)
+    decode_torch_threads: int = 0
+    prefill_timeout_s: float = 60.0  # then the request falls back to decode's own prefill
+    orchestrator_max_concurrency: int = 64  # requests the orchestrator (and router) serve at once
+    served_model_name: str = "smollm2-135m-instruct"  # the public name routing rules match
+    # ---------------------------------------------------------------- tensorrt_llm
     trtllm_prefill_model: str = ""  # HF checkpoint, or the context engine build_trtllm wrote
     trtllm_decode_model: str = ""  # HF checkpoint, or the generation engine
     trtllm_prefill_options: str = ""  # LLM-API options (YAML) of the prefill pool
     trtllm_decode_options: str = ""  # ... and of the decode pool
-    triton_server: str = ""  # a tritonserver binary (e.g. NVIDIA's image); "" = nvidia-pytriton's
-    triton_backends: str = ""  # its --backend-directory, with triton_server
-    prefill_torch_threads: int = 0  # 0: torch's default (all cores)
-    decode_torch_threads: int = 0
-    prefill_timeout_s: float = 60.0  # then the request falls back to decode's own prefill
-    orchestrator_max_concurrency: int = 64  # requests the orchestrator serves at once
-    router_policy: str = "model_repository/router/policy.toml"  # reloaded when it changes
-    served_model_name: str = "smollm2-135m-instruct"  # the public name routing rules match
+    # ---------------------------------------------------------------- gateway
     gateway_port: int = 9000  # the OpenAI-compatible API (binds `host` too)
     gateway_enabled: bool = True  # serve starts the gateway (compose runs it as its own service)
     gateway_triton_url: str = ""  # Triton's gRPC address for the gateway; "" = host:grpc_port
     gateway_auth: bool = True  # API keys required; off is refused on a non-loopback host
-    gateway_keys_file: str = ""  # sha256:<hex> lines; "" = <build_dir>/gateway_keys
-    gateway_models: str = "configs/models.toml"  # public names -> versions -> Triton models
     gateway_rpm: int = 600  # requests per minute per key (0: no limit)
     gateway_tpm: int = 1_000_000  # prompt + completion tokens per minute per key (0: no limit)
     gateway_max_body_bytes: int = 1 << 20
     gateway_timeout_s: float = 600.0  # one request, end to end
-    # a model whose stub died and that is not READY again this long after its reload began is
-    # given up on: the whole tritonserver is restarted (see serve/supervisor.py)
-    recover_timeout_s: float = 60.0
+    # ---------------------------------------------------------------- paths
+    # (a relative path is relative to the checkout)
+    engine_dir: str = "engines/smollm2-135m-instruct"
+    router_policy: str = "model_repository/router/policy.toml"  # reloaded when it changes
+    gateway_models: str = "configs/models.toml"  # public names -> versions -> Triton models
+    gateway_keys_file: str = ""  # sha256:<hex> lines; "" = <build_dir>/gateway_keys
     build_dir: str = ".triton"  # rendered repositories, backend links, run files, logs
-    log_verbose: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -140,7 +153,7 @@ class ServeSettings:
         values: dict = {}
         if toml_path:
             try:
-                values.update(tomllib.loads(Path(toml_path).read_text()))
+                values.update(_flatten_groups(tomllib.loads(Path(toml_path).read_text())))
             except (OSError, tomllib.TOMLDecodeError) as e:
                 raise ConfigError(f"settings file {toml_path}: {e}") from e
         known = {f.name: f for f in fields(cls)}
@@ -154,6 +167,41 @@ class ServeSettings:
         for name, value in list(values.items()):
             values[name] = _coerce(name, known[name].type, value)
         return replace(cls(), **values)
+
+
+_GROUP_STARTS = {
+    "host": "server",
+    "mode": "pools",
+    "trtllm_prefill_model": "tensorrt_llm",
+    "gateway_port": "gateway",
+    "engine_dir": "paths",
+}
+
+
+def _groups() -> dict[str, tuple[str, ...]]:
+    out: dict[str, list[str]] = {}
+    group = ""
+    for f in fields(ServeSettings):
+        group = _GROUP_STARTS.get(f.name, group)
+        out.setdefault(group, []).append(f.name)
+    return {g: tuple(names) for g, names in out.items()}
+
+
+GROUPS = _groups()
+
+
+def _flatten_groups(values: dict) -> dict:
+    """TOML tables named by a group hold that group's settings."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and key in GROUPS:
+            stray = sorted(set(value) - set(GROUPS[key]))
+            if stray:
+                raise ConfigError(f"settings {stray} are not in group [{key}]")
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
 
 
 def _coerce(name: str, type_name: str, value):
@@ -185,3 +233,46 @@ def template_values(s: ServeSettings, run_dir: Path) -> dict[str, str]:
     values["router_policy"] = str(s.path("router_policy"))
     values["run_dir"] = str(run_dir)
     return values
+
+
+# ------------------------------------------------------------------ inside the models
+# Parameters a model's config.pbtxt carries besides settings (filled by `disagg serve`).
+MODEL_ONLY_PARAMETERS = {"run_dir": "str", "prefill_model": "str", "decode_model": "str"}
+_SETTING_TYPES = {f.name: f.type for f in fields(ServeSettings)}
+
+
+class ModelParams:
+    """A model's config.pbtxt parameters, typed: each is named as the setting it comes from
+    and parsed by the same rules (`_coerce`) into the same type. A parameter that names no
+    setting fails the model's load; asking for one the config lacks fails loudly too."""
+
+    def __init__(self, raw: dict[str, str], model: str = "model") -> None:
+        types = {**_SETTING_TYPES, **MODEL_ONLY_PARAMETERS}
+        unknown = sorted(set(raw) - set(types))
+        if unknown:
+            raise ConfigError(f"{model}: config.pbtxt parameters {unknown} name no setting")
+        self._model = model
+        self._values = {k: _coerce(k, types[k], v) for k, v in raw.items()}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._values[name]
+        except KeyError:
+            raise ConfigError(
+                f"{self._model}: its config.pbtxt has no parameter {name!r}"
+            ) from None
+
+    def get(self, name: str, default=None):
+        return self._values.get(name, default)
+
+    def engine_config(self, pool: str) -> EngineConfig:
+        """The EngineConfig of a `pool` ("prefill", "decode", or "orchestrator": limits only).
+        Decode's KV cache is touched at start: steady-state speed from the first request."""
+        extra = {}
+        if pool == "decode":
+            extra = {"max_num_seqs": self.decode_max_num_seqs, "prefault_kv": True}
+        return EngineConfig(
+            max_model_len=self.max_model_len, max_tokens_limit=self.max_tokens_limit, **extra
+        )
