@@ -27,8 +27,8 @@ import openai
 
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
-from disagg.settings import ServeSettings
 from disagg.serve.supervisor import stub_processes
+from disagg.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-soak"

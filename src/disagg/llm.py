@@ -1,24 +1,36 @@
-"""In-process facade: prefill and decode engines on one model, with text in and text out.
+"""In-process facade: the orchestrator over in-process pools, with text in and text out.
 
-Used by `disagg generate`, the tests and the benchmarks. `disaggregated=True` sends every
-prompt through PrefillEngine and imports its KV payload into the DecodeEngine (the same
-hand-off the Triton models make across processes); False lets decode prefill by itself.
+Used by `disagg generate`, the tests and the benchmarks. It runs the same code path as the
+Triton models, minus Triton: `Orchestrator.run` (pipeline/orchestrator.py) over
+`LocalPrefillPool` and `LocalDecodePool` (pipeline/local.py), so tokens become text in one
+place. `disaggregated=True` sends every prompt through the prefill engine and imports its KV
+payload into the decode engine (the hand-off the Triton models make across processes);
+False lets decode prefill by itself.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import queue
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from disagg.config import EngineConfig
-from disagg.engine import DecodeEngine, PrefillEngine, TokenOutput
+from disagg.contracts import COLOCATED, DISAGGREGATED, Reply
+from disagg.engine import DecodeEngine, PrefillEngine
 from disagg.model import Llama
+from disagg.pipeline.decode_service import DecodeService
+from disagg.pipeline.local import LocalDecodePool, LocalPrefillPool
+from disagg.pipeline.orchestrator import GenerateRequest, Orchestrator
 from disagg.sequence import FinishReason, SamplingParams
-from disagg.tokenizer import Message, TextStream, Tokenizer
+from disagg.tokenizer import Message, Tokenizer
 
 Prompt = str | list[Message] | list[int]  # plain text, chat messages, or token ids
+log = logging.getLogger("disagg.llm")
 
 
 @dataclass
@@ -28,6 +40,10 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
+
+
+def _stuck(seconds: float) -> None:  # a queue put never blocks; say so if one ever did
+    log.error("decode delivery was stuck for %.0f s", seconds)
 
 
 class LLM:
@@ -44,7 +60,16 @@ class LLM:
         self.prefill_engine = PrefillEngine(self.model, self.config)
         eos = {self.tokenizer.eos_token_id} - {None}
         self.decode_engine = DecodeEngine(self.model, self.config, eos)
+        self.service = DecodeService(self.decode_engine, on_stuck=_stuck).start()
         self.disaggregated = disaggregated
+        self.orchestrator = Orchestrator(
+            self.tokenizer,
+            self.model.args,
+            self.config,
+            prefill_pool=LocalPrefillPool(self.prefill_engine),
+            decode_pool=LocalDecodePool(self.service),
+            mode=DISAGGREGATED if disaggregated else COLOCATED,
+        )
         self._ids = itertools.count()
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
@@ -57,60 +82,56 @@ class LLM:
             return list(prompt)
         return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        """Queue one request; `step()` advances it."""
-        rid = f"req-{next(self._ids)}"
-        comp = Completion(rid, prompt_ids)
-        if self.disaggregated:
-            result = self.prefill_engine.prefill(rid, prompt_ids, params)
-            self.decode_engine.add_request(rid, params, prefill=result)
-            comp.token_ids.append(result.first_token)
-        else:
-            self.decode_engine.add_request(rid, params, prompt_ids=prompt_ids)
-        return comp
+    def _request(self, prompt: Prompt, params: SamplingParams, chat: bool, stream: bool):
+        return GenerateRequest(
+            request_id=f"req-{next(self._ids)}",
+            prompt_ids=self.encode(prompt, chat),
+            prompt_text="",
+            params=params,
+            stream=stream,
+        )
 
-    def _start(
-        self, prompt: Prompt, params: SamplingParams, chat: bool
-    ) -> tuple[Completion, TextStream, str]:
-        """Submit one request; returns it, its text stream and the first token's text (when
-        prefill already produced that token)."""
-        comp = self.submit(self.encode(prompt, chat), params)
-        text = TextStream(self.tokenizer, params.stop)
-        first = "".join(text.push(t) for t in comp.token_ids)
-        comp.text += first
-        return comp, text, first
+    @staticmethod
+    def _completion(req: GenerateRequest, reply: Reply) -> Completion:
+        return Completion(
+            req.request_id,
+            req.prompt_ids,
+            token_ids=reply.token_ids,
+            text=reply.text,
+            finish_reason=FinishReason(reply.finish_reason) if reply.finish_reason else None,
+        )
 
     def generate(
         self, prompts: list[Prompt], params: SamplingParams, chat: bool = True
     ) -> list[Completion]:
-        started = [self._start(p, params, chat) for p in prompts]
-        by_id = {comp.request_id: (comp, text) for comp, text, _ in started}
-        while self.decode_engine.has_unfinished:
-            for out in self.decode_engine.step():
-                self._apply(*by_id[out.request_id], out)
-        return [comp for comp, _, _ in started]
+        """Every prompt at once: they join decode's continuous batch together."""
+        reqs = [self._request(p, params, chat, stream=False) for p in prompts]
+        with ThreadPoolExecutor(max(len(reqs), 1)) as pool:
+            replies = list(pool.map(lambda r: self.orchestrator.run(r, emit=lambda _: None), reqs))
+        return [self._completion(r, reply) for r, reply in zip(reqs, replies, strict=True)]
 
     def stream(self, prompt: Prompt, params: SamplingParams, chat: bool = True) -> Iterator[str]:
-        """Text deltas of one request as they are produced."""
-        comp, text, first = self._start(prompt, params, chat)
-        if first:
-            yield first
-        while comp.finish_reason is None:
-            for out in self.decode_engine.step():
-                if out.request_id == comp.request_id and (delta := self._apply(comp, text, out)):
-                    yield delta
+        """Text deltas of one request as they are produced. Closing the iterator early
+        cancels the request in decode."""
+        req = self._request(prompt, params, chat, stream=True)
+        deltas: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        done = object()
 
-    def _apply(self, comp: Completion, text: TextStream, out: TokenOutput) -> str:
-        delta = ""
-        if out.token_id is not None and comp.finish_reason is None:
-            comp.token_ids.append(out.token_id)
-            if out.token_id not in self.decode_engine.eos_token_ids:
-                delta = text.push(out.token_id)
-            if text.stopped:  # a stop string: end the sequence in the engine too
-                self.decode_engine.finish_request(comp.request_id, FinishReason.STOP)
-                comp.finish_reason = FinishReason.STOP
-        if out.finish_reason is not None and comp.finish_reason is None:
-            comp.finish_reason = out.finish_reason
-            delta += text.flush()
-        comp.text += delta
-        return delta
+        def run() -> None:
+            try:
+                final = self.orchestrator.run(req, lambda r: deltas.put(r.text), stop.is_set)
+                deltas.put(final.text)
+                deltas.put(done)
+            except BaseException as e:
+                deltas.put(e)
+
+        threading.Thread(target=run, name=f"llm-{req.request_id}", daemon=True).start()
+        try:
+            while (item := deltas.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                if item:
+                    yield item
+        finally:
+            stop.set()

@@ -17,6 +17,7 @@ from disagg import contracts as P
 from disagg.cancel import CancelRegistry
 from disagg.contracts import DecodeStep, Handoff, RoutedReply
 from disagg.errors import KVPayloadError, PoolError, RequestError
+from disagg.pipeline.local import prefill_result
 from disagg.sequence import SamplingParams
 from disagg.triton.bls import BLS_PARAMETERS, CallerWatch, bls_stream, failure_response
 from disagg.triton.pb import FINAL, input_array, output_array, raise_for_error, tensor
@@ -175,10 +176,6 @@ class SenderSink:
 
 def read_kv_handoff(request, request_id: str):
     """The decode model's view of an orchestrator request: (PrefillResult | None, prompt ids)."""
-    from disagg.engine import PrefillResult
-    from disagg.kv_payload import KVPayload
-    from disagg.trtllm import payload as trtllm_payload
-
     payload = input_array(request, P.KV_PAYLOAD)
     if payload is None:
         prompt = input_array(request, P.PROMPT_IDS)
@@ -190,13 +187,8 @@ def read_kv_handoff(request, request_id: str):
     if first is None or seed is None:
         raise KVPayloadError(f"{P.KV_PAYLOAD} needs {P.FIRST_TOKEN} and {P.RESOLVED_SEED}")
     data = payload.tobytes() if not payload.flags.c_contiguous else payload.data
-    if trtllm_payload.is_trtllm_payload(data):  # TensorRT-LLM: DisaggregatedParams, not K/V
-        kv = trtllm_payload.from_bytes(data)
-    else:
-        kv = KVPayload.from_bytes(data)
-    return PrefillResult(
-        request_id, int(first.reshape(-1)[0]), kv, int(seed.reshape(-1)[0]), 0.0
-    ), None
+    first_token, resolved = int(first.reshape(-1)[0]), int(seed.reshape(-1)[0])
+    return prefill_result(request_id, first_token, resolved, data), None
 
 
 # ------------------------------------------------------------------ router
