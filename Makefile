@@ -38,7 +38,7 @@ generate: engine
 # Serve the model end to end: tokenizer -> prefill pool -> KV hand-off -> decode pool, on an
 # embedded tritonserver bound to 127.0.0.1 (settings: DISAGG_<SETTING>=..., or CONFIG=file.toml).
 serve: engine
-	$(PY) -m disagg.serve $(if $(CONFIG),--config $(CONFIG),)
+	$(PY) -m disagg serve $(if $(CONFIG),--config $(CONFIG),)
 
 test: engine
 	DISAGG_ENGINE_DIR=$(ENGINE_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
@@ -54,7 +54,7 @@ bench: engine
 # colocated vs disaggregated vs conditional on five workloads: results/modes/, docs/img/,
 # and the serving-modes section of docs/benchmarks.md
 compare: engine
-	DISAGG_ENGINE_DIR=$(ENGINE_DIR) $(PY) client/benchmark.py compare
+	DISAGG_ENGINE_DIR=$(ENGINE_DIR) $(PY) -m disagg bench compare
 
 clean:
 	rm -rf $(VENV) engines results .pytest_cache

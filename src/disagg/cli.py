@@ -1,18 +1,45 @@
-"""`disagg generate`: answer one prompt as a chat reply on CPU, streaming."""
+"""`disagg`: one command for everything disagg runs (`python -m disagg` is the same).
+
+    disagg generate --prompt ...   one chat reply, streamed, in this process (no Triton)
+    disagg serve                   the whole stack on an embedded tritonserver (make serve)
+    disagg gateway                 the OpenAI-compatible gateway alone, in front of a Triton
+    disagg status                  a live view of a running server's pools and metrics
+    disagg bench run|compare|report   goodput benchmarks (client/benchmark.py)
+
+Each subcommand's options: `disagg <command> --help`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
 from disagg.errors import DisaggError
 from disagg.sequence import SamplingParams
 
+# subcommand -> (module whose main(argv) runs it, help); imported only when chosen, so
+# `disagg generate` never loads the gateway and `disagg status` never loads torch
+DELEGATED = {
+    "serve": ("disagg.serve.__main__", "serve the model end to end on an embedded tritonserver"),
+    "gateway": ("disagg.gateway.__main__", "run the OpenAI-compatible gateway alone"),
+    "status": ("disagg.status", "watch a running server (pools, batch, KV, latency)"),
+    "bench": ("disagg.bench.cli", "goodput benchmarks: run, compare, report"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="disagg")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        module = importlib.import_module(DELEGATED[argv[0]][0])
+        return module.main(argv[1:])
+    p = argparse.ArgumentParser(
+        prog="disagg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
+    for name, (_, text) in DELEGATED.items():
+        sub.add_parser(name, help=text, add_help=False)
     g = sub.add_parser("generate", help="stream a chat reply to one prompt")
     g.add_argument("--engine-dir", default="engines/smollm2-135m-instruct")
     g.add_argument("--prompt", required=True)

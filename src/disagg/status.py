@@ -1,7 +1,7 @@
 """A live terminal view of a running disagg server, for users without Grafana.
 
-    python -m disagg.status                       # Triton metrics on 127.0.0.1:8002
-    python -m disagg.status --gateway http://127.0.0.1:9000 --interval 2
+    disagg status                       # Triton metrics on 127.0.0.1:8002
+    disagg status --gateway http://127.0.0.1:9000 --interval 2
 
 Every interval it scrapes Triton's metrics port (and the gateway's /metrics) and shows the
 pools (queue, executions), decode instances (batch, waiting, KV in use), the prefill queue,
@@ -159,7 +159,7 @@ def scrape(url: str) -> list[Sample]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m disagg.status", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="disagg status", description=__doc__.split("\n")[0])
     p.add_argument("--metrics", default="http://127.0.0.1:8002/metrics", help="Triton metrics")
     p.add_argument("--gateway", default="", help="gateway base URL (its /metrics is read)")
     p.add_argument("--interval", type=float, default=2.0)

@@ -37,7 +37,7 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
     env.pop("DISAGG_ADMIN_KEY", None)
     env.pop("DISAGG_API_KEYS", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "disagg.serve"],
+        [sys.executable, "-m", "disagg", "serve"],
         env=env,
         text=True,
         stdout=subprocess.PIPE,

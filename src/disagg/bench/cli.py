@@ -1,4 +1,4 @@
-"""Command line of the benchmark harness (client/benchmark.py).
+"""Command line of the benchmark harness: `disagg bench` (client/benchmark.py is the same).
 
 run      one workload's rate sweep against a running server (Triton gRPC or the gateway)
 compare  co-located vs disaggregated vs conditional: for each workload, a server per mode
@@ -32,7 +32,7 @@ DEFAULT_RATES = {
     "decode-heavy": (0.25, 0.5, 1.0),
     "mixed": (0.2, 0.4, 0.8),
 }
-DOC_BEGIN = "<!-- serving-modes:begin (written by client/benchmark.py compare) -->"
+DOC_BEGIN = "<!-- serving-modes:begin (written by disagg bench compare) -->"
 DOC_END = "<!-- serving-modes:end -->"
 
 
@@ -187,12 +187,15 @@ def _write_doc(doc: Path, sections: list[str], command: str) -> None:
     doc.write_text(text)
 
 
+_ARGV: list[str] = []  # this run's arguments, recorded with its results
+
+
 def _command() -> str:
-    return "python client/benchmark.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return "disagg bench " + " ".join(shlex.quote(a) for a in _ARGV)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="client/benchmark.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="disagg bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -238,5 +241,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _ARGV[:] = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     return args.func(args)

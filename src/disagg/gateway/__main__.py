@@ -1,4 +1,4 @@
-"""`python -m disagg.gateway`: the OpenAI-compatible gateway in front of a running Triton.
+"""`disagg gateway`: the OpenAI-compatible gateway in front of a running Triton.
 
 Settings come from the same place as `disagg serve` (defaults, --config TOML, DISAGG_*
 variables): Triton's gRPC port, the gateway's port, keys, limits and model registry. API keys
@@ -60,7 +60,7 @@ def build_config(settings: ServeSettings, env=os.environ) -> GatewayConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m disagg.gateway", description=__doc__)
+    p = argparse.ArgumentParser(prog="disagg gateway", description=__doc__)
     p.add_argument("--config", help="TOML settings file (env DISAGG_<SETTING> overrides it)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -1,4 +1,4 @@
-"""`python -m disagg.serve`: serve the model end to end on an embedded Triton (make serve)."""
+"""`disagg serve`: serve the model end to end on an embedded Triton (make serve)."""
 
 from __future__ import annotations
 

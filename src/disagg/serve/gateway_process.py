@@ -34,7 +34,7 @@ class GatewayProcess:
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         self.log_file = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "disagg.gateway"],
+            [sys.executable, "-m", "disagg", "gateway"],
             env=self.env,
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
