@@ -1,0 +1,123 @@
+"""HTTP plumbing of the gateway's routes: request ids, bodies read safely (size, time,
+UTF-8, depth, lone surrogates), errors answered in OpenAI's format, and a streamed reply
+whose bookkeeping runs however it ends."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from disagg.contracts import REQUEST_ID_HEADER, client_request_id
+from disagg.gateway.errors import APIError, bad_request
+
+
+def request_id(request: Request) -> str:
+    """The client's x-request-id when safe (contracts.client_request_id), else a new one; the
+    same for every call on one request."""
+    rid = getattr(request.state, "disagg_request_id", None)
+    if rid is None:
+        given = client_request_id(request.headers.get(REQUEST_ID_HEADER, ""))
+        rid = request.state.disagg_request_id = given or uuid.uuid4().hex
+    return rid
+
+
+DRAIN_FACTOR = 16  # an oversized body up to this many times the limit is read and dropped
+BODY_TIMEOUT_S = 10.0  # a client has this long to send its whole body (slow or cut-off bodies)
+
+
+async def read_json(request: Request, limit: int, timeout_s: float = BODY_TIMEOUT_S) -> object:
+    """The body as JSON; over `limit` bytes, a 413. A body somewhat over the limit is read to
+    its end (and dropped) before the answer: closing on a client still sending resets the
+    connection and the client never sees the 413. A much larger one is cut off. A body that
+    does not arrive within `timeout_s` (a client that stops mid-way) gets a 408."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            data = await _read_body(request, limit)
+    except TimeoutError:
+        raise APIError(
+            408, f"the request body did not arrive within {timeout_s:g} s", code="timeout"
+        ) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not valid UTF-8") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    _check_unicode(body)
+    return body
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_large = APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    size = int(request.headers.get("content-length") or 0)
+    if size > limit * DRAIN_FACTOR:
+        raise too_large
+    data, received = bytearray(), 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit * DRAIN_FACTOR:
+            raise too_large
+        if received <= limit:
+            data += chunk
+    if received > limit:
+        raise too_large
+    return bytes(data)
+
+
+def _check_unicode(body: object) -> None:
+    """JSON's \\uXXXX escapes can spell a lone surrogate ("\\ud800"), which no UTF-8 text
+    holds: refuse it here rather than fail when the text is encoded for Triton."""
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request(
+                    "the request body holds a lone surrogate escape (such as \\ud800): "
+                    "not valid Unicode text"
+                ) from None
+
+
+class StreamCounted(StreamingResponse):
+    """A streamed reply whose `on_end` runs once it is over, also when its body never started
+    (Starlette then never runs the body's finally: a client that left before the first byte
+    leaked the in-flight gauge and left its request running)."""
+
+    def __init__(self, content, on_end, **kw) -> None:
+        super().__init__(content, **kw)
+        self.on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_end()
+
+
+def answers_errors(handler):
+    """A route whose APIErrors become their OpenAI-format response, with the request id."""
+
+    @functools.wraps(handler)
+    async def route(self, request: Request) -> Response:
+        try:
+            return await handler(self, request)
+        except APIError as e:
+            return e.response({REQUEST_ID_HEADER: request_id(request)})
+
+    return route

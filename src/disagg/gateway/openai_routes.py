@@ -1,0 +1,286 @@
+"""The OpenAI routes: /v1/models, /v1/chat/completions, /v1/completions (JSON and SSE).
+
+A generation request is authenticated, admitted by its key's limits, parsed
+(openai_api.parse_request), resolved to a model version (registry.py), and streamed from
+Triton's `router` (backend.py). One `Call` carries it through; errors before any output are
+HTTP errors, errors after the stream began are its last SSE event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from disagg import contracts as C
+from disagg.contracts import REQUEST_ID_HEADER
+from disagg.gateway import openai_api as oa
+from disagg.gateway.auth import KeyStore, RateLimiter
+from disagg.gateway.backend import Piece, TritonBackend
+from disagg.gateway.errors import APIError
+from disagg.gateway.http import StreamCounted, answers_errors, read_json, request_id
+from disagg.gateway.metrics import GatewayMetrics
+from disagg.gateway.registry import Registry
+
+log = logging.getLogger("disagg.gateway")
+VERSION_HEADER = "x-disagg-model-version"
+ROUTE_TARGET_HEADER = "x-disagg-route-target"
+
+
+@dataclass
+class Call:
+    """One generation request on its way through the gateway."""
+
+    request: Request
+    api: str  # "chat" | "completion"
+    rid: str
+    start: float = field(default_factory=time.perf_counter)
+    model: str = "unknown"  # the public model name, once resolved (a metric label)
+    key: str = ""
+    req: oa.GenRequest | None = None
+    fingerprint: str = ""
+    headers: dict = field(default_factory=dict)
+    pieces: AsyncIterator[Piece] | None = None
+    # what the client has received, for a stream that ends early (status 499: client gone)
+    n_in: int = 0
+    n_out: int = 0
+    status: int = 499
+
+
+class OpenAIRoutes:
+    def __init__(
+        self,
+        keys: KeyStore | None,
+        limiter: RateLimiter,
+        registry: Registry,
+        backend: TritonBackend,
+        metrics: GatewayMetrics,
+        max_body_bytes: int,
+    ) -> None:
+        self.keys = keys  # None: authentication disabled (loopback only)
+        self.limiter = limiter
+        self.registry = registry
+        self.backend = backend
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    # -------------------------------------------------------------- auth
+
+    def authenticate(self, request: Request) -> str:
+        if self.keys is None:
+            return "anonymous"
+        key = self.keys.key_id(request.headers.get("authorization"))
+        if key is None:
+            raise APIError(
+                401,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+        return key
+
+    def admit(self, key: str) -> None:
+        wait = self.limiter.admit(key)
+        if wait is not None:
+            raise APIError(
+                429,
+                f"Rate limit reached for this key; retry in {math.ceil(wait)} s",
+                type_="requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
+
+    # -------------------------------------------------------------- models
+
+    @answers_errors
+    async def models(self, request: Request) -> Response:
+        self.authenticate(request)
+        return JSONResponse(
+            {"object": "list", "data": [self._model(m) for m in self.registry.listed()]}
+        )
+
+    @answers_errors
+    async def model(self, request: Request) -> Response:
+        self.authenticate(request)
+        model, _ = self.registry.resolve(request.path_params["model"])
+        return JSONResponse(self._model(model))
+
+    @staticmethod
+    def _model(m) -> dict:
+        return {"id": m.name, "object": "model", "created": 0, "owned_by": "disagg"}
+
+    # -------------------------------------------------------------- generation
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(Call(request, "chat", request_id(request)))
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(Call(request, "completion", request_id(request)))
+
+    async def _generate(self, call: Call) -> Response:
+        """Serve one request and count it: here when answered whole, when its stream ends
+        otherwise (a stream never started is counted by StreamCounted)."""
+        m = self.metrics
+        m.inflight.inc()
+        try:
+            response = await self._serve(call)
+        except Exception:  # a bug of ours: a clear 500, counted, and the gauge kept true
+            log.exception("request failed")
+            m.error("server_error")
+            response = APIError(500, "internal error", "server_error").response()
+        except BaseException:  # cancelled: the client went away
+            m.inflight.dec()
+            m.finished(call.api, call.model, 499, time.perf_counter() - call.start)
+            raise
+        if not isinstance(response, StreamCounted):
+            m.inflight.dec()
+            m.finished(call.api, call.model, response.status_code, time.perf_counter() - call.start)
+        return response
+
+    async def _serve(self, call: Call) -> Response:
+        call.headers = {REQUEST_ID_HEADER: call.rid}
+        try:
+            call.key = self.authenticate(call.request)
+            self.admit(call.key)
+            body = await read_json(call.request, self.max_body_bytes)
+            req = call.req = oa.parse_request(body, call.api)
+            model, version = self.registry.resolve(req.model)
+            call.model = model.name
+            req.inputs[C.MODEL] = model.name  # routing rules may match on it
+            call.headers[VERSION_HEADER] = version.name
+            call.pieces = self.backend.generate(
+                version.triton_model, version.triton_version, call.rid, req.inputs
+            )
+            log.info(
+                "request %s key=%s model=%s version=%s stream=%s",
+                call.rid, call.key, model.name, version.name, req.stream,
+            )  # fmt: skip
+            call.fingerprint = f"disagg-{model.name}-{version.name}"
+            if req.stream:
+                first = await call.pieces.__anext__()  # errors before any output: HTTP errors
+                response = self._stream(call, first)
+                response.headers.update(call.headers)
+                return response
+            return await self._complete(call)
+        except APIError as e:
+            log.info("request %s: %d %s", call.rid, e.status, e.message)
+            self.metrics.error(e.code or e.type)
+            return e.response(call.headers)
+        except StopAsyncIteration:
+            self.metrics.error("server_error")
+            return APIError(502, "the model ended without a response", "server_error").response(
+                call.headers
+            )
+
+    async def _complete(self, call: Call) -> Response:
+        """Collect the whole reply, cancelling it if the client goes away meanwhile."""
+        pieces = call.pieces
+
+        async def collect() -> tuple[str, Piece | None]:
+            text, last = "", None
+            async for piece in pieces:
+                text += piece.text
+                last = piece
+            return text, last
+
+        task = asyncio.ensure_future(collect())
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if not done and await call.request.is_disconnected():
+                    log.info("request %s: client disconnected; cancelling", call.rid)
+                    return Response(status_code=499)
+        finally:
+            if not task.done():  # stop reading before closing: aclose() on a generator that
+                task.cancel()  # another task is still inside raises RuntimeError
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await pieces.aclose()  # cancels the request in Triton
+        text, last = task.result()
+        if last is None or last.finish_reason is None:
+            raise APIError(502, "the model ended without a finish reason", "server_error")
+        self.limiter.charge(call.key, last.num_input_tokens + last.num_output_tokens)
+        if last.finish_reason == C.FINISH_ERROR:
+            raise _model_failed(last)
+        headers = {**call.headers, ROUTE_TARGET_HEADER: last.extra.get(C.ROUTE_TARGET, "")}
+        body = oa.full_response(
+            call.req,
+            call.rid,
+            text,
+            last.finish_reason,
+            last.num_input_tokens,
+            last.num_output_tokens,
+            call.fingerprint,
+        )
+        return JSONResponse(body, headers=headers)
+
+    def _stream(self, call: Call, first: Piece) -> StreamCounted:
+        """The SSE body and the bookkeeping that must run once when it ends, however it ends:
+        finished, failed, the client gone mid-stream, or gone before the first byte."""
+        ended = False
+
+        async def end() -> None:
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            self.limiter.charge(call.key, call.n_in + call.n_out)
+            self.metrics.inflight.dec()
+            self.metrics.finished(
+                call.api, call.model, call.status, time.perf_counter() - call.start
+            )
+            await call.pieces.aclose()  # last: a client that went away cancels its request
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in self._events(call, first):
+                    yield chunk
+            finally:
+                await end()
+
+        return StreamCounted(body(), end, media_type="text/event-stream")
+
+    async def _events(self, call: Call, first: Piece) -> AsyncIterator[bytes]:
+        req, rid, fp = call.req, call.rid, call.fingerprint
+        first_text = True
+        try:
+            if req.kind == "chat":
+                yield oa.sse(oa.chunk(req, rid, fp, role=True))
+            piece: Piece | None = first
+            while piece is not None:
+                call.n_in, call.n_out = piece.num_input_tokens, piece.num_output_tokens
+                if piece.finish_reason == C.FINISH_ERROR:
+                    err = _model_failed(piece)
+                    call.status = err.status
+                    self.metrics.error(err.type)
+                    yield oa.sse(err.body())
+                    return
+                if piece.text:
+                    yield oa.sse(oa.chunk(req, rid, fp, text=piece.text))
+                    if first_text:
+                        ttft = time.perf_counter() - call.start
+                        self.metrics.ttft.labels(call.model).observe(ttft)
+                        first_text = False
+                if piece.finish_reason is not None:
+                    yield oa.sse(oa.chunk(req, rid, fp, finish=piece.finish_reason))
+                    if req.include_usage:
+                        yield oa.sse(oa.usage_chunk(req, rid, fp, call.n_in, call.n_out))
+                    break
+                piece = await anext(call.pieces, None)
+            call.status = 200
+            yield oa.sse("[DONE]")
+        except APIError as e:
+            call.status = e.status
+            self.metrics.error(e.code or e.type)
+            yield oa.sse(e.body())
+
+
+def _model_failed(piece: Piece) -> APIError:
+    """A stage failed after part of the answer was produced (finish reason "error")."""
+    return APIError(502, piece.extra.get(C.ERROR) or "the model failed", "server_error")
