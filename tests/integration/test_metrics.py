@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from triton_server import eventually, metric, start_server
+from helpers.triton_server import eventually, metric, start_server
 
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.config import load_model_args

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_openai import CANNED, FakeOpenAI
-from triton_server import metric, metric_becomes, start_server
+from helpers.fake_openai import CANNED, FakeOpenAI
+from helpers.triton_server import metric, metric_becomes, start_server
 
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.sequence import SamplingParams

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from triton_server import admin_post, metric
+from helpers.triton_server import admin_post, metric
 
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.sequence import SamplingParams

@@ -1,64 +1,38 @@
-"""Orchestration logic with scripted pools (test doubles of the prefill and decode models);
-the tokenizer is the real one."""
+"""Orchestration logic with scripted pools (test doubles of the prefill and decode models) and
+a stub tokenizer: no weights, no processes (tests/helpers/scripted.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from helpers.scripted import (
+    ScriptedDecode,
+    ScriptedPrefill,
+    StubTokenizer,
+    model_args,
+)
 
-from disagg.config import EngineConfig, load_model_args
-from disagg.errors import RequestError
+from disagg.config import EngineConfig
+from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, FALLBACK
+from disagg.errors import PoolError, RequestError
 from disagg.pipeline.orchestrator import (
-    COLOCATED,
-    CONDITIONAL,
-    DISAGGREGATED,
-    FALLBACK,
-    DecodeStep,
     GenerateRequest,
-    Handoff,
     Orchestrator,
     OrchestratorEvents,
-    PoolError,
     build_request,
 )
 from disagg.sequence import SamplingParams
 
-pytestmark = pytest.mark.model
-
-
-class ScriptedPrefill:
-    def __init__(self, first_token: int | None = None, error: Exception | None = None):
-        self.first_token, self.error, self.calls = first_token, error, []
-
-    def prefill(self, request_id, prompt_ids, params):
-        self.calls.append(prompt_ids)
-        if self.error:
-            raise self.error
-        return Handoff(self.first_token, 7, np.zeros(16, np.uint8), 111, 0.01)
-
-
-class ScriptedDecode:
-    def __init__(self, tokens: list[int], finish: str | None = "length", log=None):
-        self.tokens, self.finish, self.calls, self.cancelled = tokens, finish, [], []
-        self.log = log if log is not None else []
-
-    def generate(self, request_id, params, *, handoff=None, prompt_ids=None):
-        self.calls.append((handoff, prompt_ids))
-        self.log.append("decode")
-        yield DecodeStep([], None, 222)  # acknowledgement
-        if not self.tokens:
-            yield DecodeStep([], self.finish, 222)
-        for i, t in enumerate(self.tokens):
-            last = i == len(self.tokens) - 1
-            yield DecodeStep([t], self.finish if last else None, 222)
-
-    def cancel(self, request_id):
-        self.cancelled.append(request_id)
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
-def args(engine_dir):
-    return load_model_args(engine_dir)
+def tokenizer():
+    return StubTokenizer()
+
+
+@pytest.fixture(scope="module")
+def args():
+    return model_args()
 
 
 def orchestrator(tokenizer, args, prefill, decode, mode=DISAGGREGATED):

@@ -1,0 +1,97 @@
+"""Scripted stand-ins for the stages around the orchestrator and the router: a tokenizer
+without a vocabulary file, prefill and decode pools that answer from a script, and a local
+pipeline for the router. They let orchestration and routing logic be tested without
+weights, processes or Triton."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from disagg.config import ModelArgs
+from disagg.contracts import DecodeStep, Handoff, RoutedReply
+
+_PIECE = re.compile(r"\s*\S+|\s+")
+
+
+class StubTokenizer:
+    """Word pieces as tokens (a piece keeps its leading space, so decode(encode(t)) == t):
+    ids are given out in first-seen order, from 1 (0 is EOS). What the orchestrator and
+    TextStream use of a tokenizer: encode, decode and eos_token_id."""
+
+    eos_token_id = 0
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._pieces: list[str] = ["</s>"]
+
+    def encode(self, text: str) -> list[int]:
+        out = []
+        for piece in _PIECE.findall(text):
+            if piece not in self._ids:
+                self._ids[piece] = len(self._pieces)
+                self._pieces.append(piece)
+            out.append(self._ids[piece])
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self._pieces[i] for i in ids)
+
+
+def model_args(vocab_size: int = 49152) -> ModelArgs:
+    """SmolLM2-135M's numbers, without loading its engine."""
+    return ModelArgs(
+        dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536, vocab_size=vocab_size
+    )
+
+
+class ScriptedPrefill:
+    def __init__(self, first_token: int | None = None, error: Exception | None = None):
+        self.first_token, self.error, self.calls = first_token, error, []
+
+    def prefill(self, request_id, prompt_ids, params):
+        self.calls.append(prompt_ids)
+        if self.error:
+            raise self.error
+        return Handoff(self.first_token, 7, np.zeros(16, np.uint8), 111, 0.01)
+
+
+class ScriptedDecode:
+    def __init__(self, tokens: list[int], finish: str | None = "length", log=None):
+        self.tokens, self.finish, self.calls, self.cancelled = tokens, finish, [], []
+        self.log = log if log is not None else []
+
+    def generate(self, request_id, params, *, handoff=None, prompt_ids=None):
+        self.calls.append((handoff, prompt_ids))
+        self.log.append("decode")
+        yield DecodeStep([], None, 222)  # acknowledgement
+        if not self.tokens:
+            yield DecodeStep([], self.finish, 222)
+        for i, t in enumerate(self.tokens):
+            last = i == len(self.tokens) - 1
+            yield DecodeStep([t], self.finish if last else None, 222)
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+
+class ScriptedLocal:
+    """Stands for the router's local prefill/decode pipeline (the real one runs in
+    tests/integration/test_router.py)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.cancelled: list[str] = []
+
+    def generate(self, model, request_id, fields):
+        self.calls.append(request_id)
+        if fields.get("stream"):
+            yield RoutedReply("local ", 3, 1)
+            yield RoutedReply("answer", 3, 2)
+            yield RoutedReply("", 3, 2, finish_reason="stop", served_by="disaggregated")
+        else:
+            yield RoutedReply("local answer", 3, 2, "stop", served_by="disaggregated")
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
