@@ -55,16 +55,37 @@ class InferenceResponse:
         return self._error
 
 
+class ResponseSender:
+    """Records what a model sends: (response, flags) pairs."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[InferenceResponse, int]] = []
+        self.cancelled = False
+
+    def send(self, response=None, flags: int = 0) -> None:
+        if self.sent and self.sent[-1][1] & TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            raise AssertionError("a response after the final one (crashes Triton 2.51)")
+        self.sent.append((response, flags))
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+
 class InferenceRequest:
-    """A BLS request; `exec` answers with what the test put in `InferenceRequest.script`."""
+    """A request: one a model sends over BLS (`exec` answers with what the test put in
+    `InferenceRequest.script`), or one a test hands to a model's execute()."""
 
     script: list = []  # responses (or an exception) the next exec() yields
+    last: InferenceRequest | None = None  # the last one exec() was called on
 
     def __init__(self, model_name="", inputs=None, requested_output_names=None, **kw) -> None:
         self.model_name = model_name
         self.inputs = inputs or []
+        self._requested = list(requested_output_names or [])
         self._parameters = kw.get("parameters") or {}
         self._request_id = kw.get("request_id", "")
+        self.timeout = kw.get("timeout")
+        self.sender = ResponseSender()
 
     def parameters(self) -> str:
         return json.dumps(self._parameters)
@@ -72,7 +93,14 @@ class InferenceRequest:
     def request_id(self) -> str:
         return self._request_id
 
+    def requested_output_names(self) -> list[str]:
+        return self._requested
+
+    def get_response_sender(self) -> ResponseSender:
+        return self.sender
+
     def exec(self, decoupled: bool = False):
+        type(self).last = self
         script = type(self).script
         if isinstance(script, Exception):
             raise script
@@ -89,3 +117,7 @@ def get_input_tensor_by_name(request, name: str):
 
 def get_output_tensor_by_name(response, name: str):
     return _by_name(response.output_tensors(), name)
+
+
+def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
