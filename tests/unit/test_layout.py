@@ -103,3 +103,24 @@ def test_stubs_that_never_run_the_model_do_not_import_torch():
     decode = code.replace(repr(models), repr(["decode"]))
     out = subprocess.run([sys.executable, "-c", decode], capture_output=True, text=True, check=True)
     assert "'torch'" in out.stdout  # the check can fail: decode does load it
+
+
+def test_the_request_path_in_the_architecture_doc_names_real_functions():
+    """docs/architecture.md walks a request naming `file` `function` at each hop: each one
+    must exist, so a newcomer lands on it."""
+    import re
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    pairs = re.findall(r"`([\w/]+\.py)` `([A-Za-z_][\w.]*)`", doc)
+    assert len(pairs) >= 15
+    for file, name in pairs:
+        path = ROOT / file if file.startswith("model_repository/") else SRC / file
+        assert path.is_file(), file
+        tree = ast.parse(path.read_text())
+        defined = {
+            n.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        }
+        missing = [part for part in name.split(".") if part not in defined]
+        assert not missing, f"{file}: {name}"

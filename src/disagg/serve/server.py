@@ -129,7 +129,7 @@ class TritonServer:
             template_values(self.settings, self.run_dir), self.build_dir / "repository"
         )
         env = triton_install.server_env(install, [ROOT / "src"])
-        env[TOKEN_ENV] = secrets.token_hex(16)  # the internal models' token (protocol.py)
+        env[TOKEN_ENV] = secrets.token_hex(16)  # the internal models' token (contracts.py)
         self.log_file = self.log_path.open("w")
         self.proc = subprocess.Popen(
             self.command(install, repos),

@@ -37,7 +37,7 @@ def is_bls_caller(request) -> bool:
 
 def check_internal(request, model: str) -> None:
     """Refuse a request to an internal model that did not come from this server's own BLS
-    calls (it carries this server's token; see protocol.py)."""
+    calls (it carries this server's token; see contracts.py)."""
     token = os.environ.get(P.TOKEN_ENV, "")
     given = str(_request_parameters(request).get(P.TOKEN_PARAM, ""))
     if not hmac.compare_digest(given.encode(), token.encode()):
