@@ -95,3 +95,45 @@ class ScriptedLocal:
 
     def cancel(self, request_id):
         self.cancelled.append(request_id)
+
+
+class ScriptedEndpoint:
+    """Stands for an external OpenAI-compatible endpoint (an LPU pool) in the router's unit
+    tests: each request takes the next scripted behaviour, "ok" when the script runs out.
+
+        "ok"                 stream `text` word by word, then finish "stop" with usage
+        ("fail", kind)       raise EndpointError(kind) before any text
+        ("cut", n, kind)     stream n words, then raise EndpointError(kind)
+        ("unavailable", why) unavailable_reason() says `why` for this request
+    """
+
+    text = "scripted endpoint answer"
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.name = config.name
+        self.script: list = []
+        self.requests: list = []
+        self._next = "ok"
+
+    def unavailable_reason(self, public_model: str, est_tokens: int) -> str | None:
+        self._next = self.script.pop(0) if self.script else "ok"
+        if isinstance(self._next, tuple) and self._next[0] == "unavailable":
+            return self._next[1]
+        return None
+
+    def stream_chat(self, public_model: str, req):
+        from disagg.routing.endpoint import EndpointError, StreamEvent
+
+        self.requests.append((public_model, req))
+        words = self.text.split(" ")
+        step = self._next
+        if isinstance(step, tuple) and step[0] == "fail":
+            raise EndpointError(step[1], f"scripted {step[1]}")
+        limit = step[1] if isinstance(step, tuple) and step[0] == "cut" else len(words)
+        for i, word in enumerate(words[:limit]):
+            yield StreamEvent(word if i == 0 else " " + word)
+        if limit < len(words):
+            raise EndpointError(step[2], f"scripted {step[2]} mid-stream")
+        usage = {"prompt_tokens": 3, "completion_tokens": len(words)}
+        yield StreamEvent(finish_reason="stop", usage=usage)

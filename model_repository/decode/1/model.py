@@ -3,7 +3,6 @@ response per new token. Takes a KV payload from prefill, or prompt ids (then it 
 itself: the co-located mode, and the fallback when the prefill pool fails)."""
 
 import os
-import uuid
 from pathlib import Path
 
 from disagg import contracts as P
@@ -47,7 +46,7 @@ class TritonPythonModel:
             )
             try:
                 bls.check_internal(request, "decode")
-                rid = request.request_id() or uuid.uuid4().hex
+                rid = request.request_id() or P.new_request_id()
                 f = pb.read_fields(request, {P.SAMPLING: "str"}, batched=False)
                 params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
                 prefill, prompt_ids = pools.read_kv_handoff(request, rid)

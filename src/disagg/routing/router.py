@@ -21,8 +21,15 @@ from typing import Protocol
 
 from disagg.contracts import FINISH_ERROR, RoutedReply
 from disagg.errors import PoolError
-from disagg.routing.endpoint import ChatRequest, EndpointError, OpenAIEndpoint
-from disagg.routing.policy import OPENAI, Policy, PolicySource, RouteFeatures, Target
+from disagg.routing.endpoint import ChatRequest, EndpointError, OpenAIEndpoint, StreamEvent
+from disagg.routing.policy import (
+    OPENAI,
+    EndpointConfig,
+    Policy,
+    PolicySource,
+    RouteFeatures,
+    Target,
+)
 
 log = logging.getLogger("disagg.router")
 @dataclass(frozen=True)
@@ -45,6 +52,19 @@ class LocalPipeline(Protocol):
     def cancel(self, request_id: str) -> None: ...
 
 
+class Endpoint(Protocol):
+    """An external endpoint as the router uses it (OpenAIEndpoint; scripted in tests)."""
+
+    name: str
+    config: EndpointConfig
+
+    def unavailable_reason(self, public_model: str, est_tokens: int) -> str | None: ...
+
+    def stream_chat(self, public_model: str, req: ChatRequest) -> Iterator[StreamEvent]:
+        """Raises EndpointError (with its kind) when the endpoint fails."""
+        ...
+
+
 class RouterEvents:
     """Hooks for metrics; the default does nothing."""
 
@@ -65,22 +85,24 @@ class Router:
         local: LocalPipeline,
         count_tokens: Callable[[str], int],
         events: RouterEvents | None = None,
+        endpoint_factory: Callable[[EndpointConfig], Endpoint] = OpenAIEndpoint,
     ) -> None:
         self.policy = policy
         self.local = local
         self.count_tokens = count_tokens  # usage for endpoints that do not report it
         self.events = events or RouterEvents()
-        self._endpoints: dict[str, OpenAIEndpoint] = {}
+        self.endpoint_factory = endpoint_factory
+        self._endpoints: dict[str, Endpoint] = {}
         self._lock = threading.Lock()
 
-    def endpoint(self, policy: Policy, name: str) -> OpenAIEndpoint:
+    def endpoint(self, policy: Policy, name: str) -> Endpoint:
         """Endpoint state lives across requests; a reloaded policy that changes an endpoint's
         settings starts it afresh."""
         config = policy.endpoints[name]
         with self._lock:
             ep = self._endpoints.get(name)
             if ep is None or ep.config != config:
-                ep = self._endpoints[name] = OpenAIEndpoint(config)
+                ep = self._endpoints[name] = self.endpoint_factory(config)
             return ep
 
     def run(
@@ -152,7 +174,7 @@ class Router:
 
     def _serve_endpoint(
         self,
-        ep: OpenAIEndpoint,
+        ep: Endpoint,
         req: RouteRequest,
         emit: Callable[[RoutedReply], None],
         is_cancelled: Callable[[], bool],
