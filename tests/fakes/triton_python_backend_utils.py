@@ -121,3 +121,32 @@ def get_output_tensor_by_name(response, name: str):
 
 def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
     return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+class _Series:
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def increment(self, value: float) -> None:
+        self.value += value
+
+    def observe(self, value: float) -> None:
+        self.value = value
+
+
+class MetricFamily:
+    """Like Triton's: one registry per server, and a series asked for again with the same
+    family name and labels is the same series (so it outlives the process that made it)."""
+
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    registry: dict[tuple, _Series] = {}
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name, self.kind = name, kind
+
+    def Metric(self, labels=None, buckets=None) -> _Series:  # noqa: N802 (the real name)
+        key = (self.name, tuple(sorted((labels or {}).items())))
+        return type(self).registry.setdefault(key, _Series())

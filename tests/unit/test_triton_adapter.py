@@ -19,7 +19,13 @@ from disagg.sequence import SamplingParams
 
 pytestmark = pytest.mark.unit
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
-ADAPTER = ("disagg.triton.bls", "disagg.triton.pb", "disagg.triton.pools", "disagg.triton.runner")
+ADAPTER = (
+    "disagg.triton.bls",
+    "disagg.triton.pb",
+    "disagg.triton.pb_metrics",
+    "disagg.triton.pools",
+    "disagg.triton.runner",
+)
 
 
 @pytest.fixture
@@ -313,3 +319,21 @@ def test_a_non_decoupled_batch_gets_one_response_per_request(t):
     texts = [_outputs(r)[C.TEXT_OUTPUT].reshape(-1)[0] for r in responses[:3]]
     assert texts == [b"r0", b"r1", b"r2"] and responses[3].has_error()
     runner.shutdown()
+
+
+# ------------------------------------------------------------------ pb_metrics
+
+
+def test_a_restarted_decode_does_not_report_the_dead_ones_sequences(t):
+    """Triton keeps a killed stub's series; the next process's gauges start from zero."""
+    from disagg.contracts import DecodeStats
+
+    t.u.MetricFamily.registry.clear()
+    series = ("disagg_decode_active_sequences", (("instance", "decode_0"), ("model", "decode")))
+    dead = t.pb_metrics.DecodeMetrics("decode", "decode_0")
+    dead.on_step(DecodeStats(num_running=4, num_waiting=2))
+    t.pb_metrics.close_metrics()  # applies what is queued
+    assert t.u.MetricFamily.registry[series].value == 6
+    t.pb_metrics.DecodeMetrics("decode", "decode_0")  # the restarted process, no step yet
+    t.pb_metrics.close_metrics()
+    assert t.u.MetricFamily.registry[series].value == 0

@@ -90,6 +90,11 @@ class Family:
         self.series: dict[tuple, object] = {}
         self.last_set: dict[tuple, float] = {}  # gauges: the value the server has
         _families.append(self)
+        if metric.kind == M.GAUGE and set(metric.labels) <= set(fixed):
+            # A restarted model process gets the dead one's series back (Triton keeps a
+            # series alive until its owner frees it, and a killed stub never does): without
+            # this, a decode restarted after a crash reported the dead engine's sequences.
+            self.set(0.0)
 
     def close(self) -> None:
         """Free the series, then the family (the order the Python backend asks for)."""
