@@ -207,88 +207,14 @@ def _gguf_tokenizer(reader) -> tuple[str, dict]:
     return tok.to_str(), config
 
 
-# ---------------------------------------------------------------- Hugging Face directory
-
-
-def read_hf_dir(path: str | Path, max_context: int) -> Checkpoint:
-    from safetensors import safe_open
-
-    path = Path(path)
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"{cfg_path} not found: not a Hugging Face checkpoint directory")
-    cfg = json.loads(cfg_path.read_text())
-    if cfg.get("model_type") != "llama":
-        raise ConfigError(f"{path}: model_type {cfg.get('model_type')!r} is not supported")
-    if cfg.get("rope_scaling"):
-        raise ConfigError(f"{path}: rope_scaling {cfg['rope_scaling']!r} is not supported")
-    n_heads = cfg["num_attention_heads"]
-    if cfg.get("head_dim", cfg["hidden_size"] // n_heads) != cfg["hidden_size"] // n_heads:
-        raise ConfigError(f"{path}: head_dim != hidden_size / num_attention_heads")
-    args = ModelArgs(
-        dim=cfg["hidden_size"],
-        n_layers=cfg["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=cfg.get("num_key_value_heads", n_heads),
-        hidden_dim=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_theta=cfg.get("rope_theta", 10000.0),
-        max_context=min(max_context, cfg.get("max_position_embeddings", max_context)),
-        tie_embeddings=cfg.get("tie_word_embeddings", False),
-    )
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"{path}: no *.safetensors weights (convert .bin checkpoints first)")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if not (path / name).is_file():
-            raise ConfigError(f"{path / name} not found")
-    with_names = []
-    for f in files:
-        with safe_open(f, framework="numpy") as sf:
-            with_names += [(f, k) for k in sf.keys()]  # noqa: SIM118 - safe_open has no __iter__
-
-    def tensors() -> Iterator[tuple[str, np.ndarray]]:
-        import torch
-
-        for f, key in with_names:
-            if args.tie_embeddings and key == "lm_head.weight":
-                continue
-            with safe_open(f, framework="pt") as sf:  # pt: bf16 has no numpy dtype
-                yield key, sf.get_tensor(key).to(torch.float32).numpy()
-
-    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
-    template = tok_cfg.get("chat_template")
-    if template is None and (path / "chat_template.jinja").is_file():
-        template = (path / "chat_template.jinja").read_text()
-
-    def special(key: str) -> str | None:
-        value = tok_cfg.get(key)
-        return value.get("content") if isinstance(value, dict) else value
-
-    return Checkpoint(
-        args=args,
-        num_tensors=len(with_names)
-        - int(args.tie_embeddings and any(k == "lm_head.weight" for _, k in with_names)),
-        tensors=tensors,
-        tokenizer_json=(path / "tokenizer.json").read_text(),
-        tokenizer_config={
-            "chat_template": template,
-            "bos_token": special("bos_token"),
-            "eos_token": special("eos_token"),
-            "pad_token": special("pad_token"),
-            "add_bos_token": bool(tok_cfg.get("add_bos_token", False)),
-        },
-        source={"kind": "hf", **_file_identity(cfg_path), "files": [f.name for f in files]},
-    )
-
-
 # ---------------------------------------------------------------- writing
 
 
 def read_checkpoint(source: str | Path, max_context: int) -> Checkpoint:
     source = Path(source)
     if source.is_dir():
+        from disagg.checkpoint_hf import read_hf_dir
+
         return read_hf_dir(source, max_context)
     if source.suffix == ".gguf":
         return read_gguf(source, max_context)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -56,20 +57,25 @@ class ServeSettings:
     max_tokens_default: int = 128  # when a request does not say
     max_batch_size: int = 8  # Triton batch dimension of client-facing models (requests are 1)
     compute_dtype: str = "float32"  # or "bfloat16": half the weight bytes, CPUs with bf16 only
+    # where disagg's engine (engine_backend pytorch) runs: "cpu", or "cuda" / "cuda:N"
+    device: str = "cpu"
     # the engine of the prefill and decode pools: "pytorch" (disagg's, CPU) or "tensorrt_llm"
     # (NVIDIA GPUs; see docs/gpu.md and build_engines/build_trtllm_engine.py)
     engine_backend: str = "pytorch"
-    instance_kind: str = "KIND_CPU"  # KIND_GPU with tensorrt_llm
     prefill_torch_threads: int = 0  # 0: torch's default (all cores)
     decode_torch_threads: int = 0
     prefill_timeout_s: float = 60.0  # then the request falls back to decode's own prefill
     orchestrator_max_concurrency: int = 64  # requests the orchestrator (and router) serve at once
     served_model_name: str = "smollm2-135m-instruct"  # the public name routing rules match
     # ---------------------------------------------------------------- tensorrt_llm
-    trtllm_prefill_model: str = ""  # HF checkpoint, or the context engine build_trtllm wrote
-    trtllm_decode_model: str = ""  # HF checkpoint, or the generation engine
+    trtllm_prefill_model: str = ""  # the Hugging Face checkpoint TensorRT-LLM loads
+    trtllm_decode_model: str = ""  # ... for the decode pool (the same one)
     trtllm_prefill_options: str = ""  # LLM-API options (YAML) of the prefill pool
     trtllm_decode_options: str = ""  # ... and of the decode pool
+    # the GPUs each pool's process may use (its CUDA_VISIBLE_DEVICES), e.g. "0" and "1", or
+    # "0,1" for tensor parallel 2; "" = whatever the server was started with
+    trtllm_prefill_devices: str = ""
+    trtllm_decode_devices: str = ""
     # ---------------------------------------------------------------- gateway
     gateway_port: int = 9000  # the OpenAI-compatible API (binds `host` too)
     gateway_enabled: bool = True  # serve starts the gateway (compose runs it as its own service)
@@ -110,9 +116,15 @@ class ServeSettings:
             raise ConfigError(
                 f"setting engine_backend: pytorch or tensorrt_llm, not {self.engine_backend!r}"
             )
-        if self.instance_kind not in ("KIND_CPU", "KIND_GPU"):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"setting device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.engine_backend == "tensorrt_llm" and (
+            self.prefill_instances != 1 or self.decode_instances != 1
+        ):
             raise ConfigError(
-                f"setting instance_kind must be KIND_CPU or KIND_GPU, got {self.instance_kind!r}"
+                "with engine_backend tensorrt_llm each pool is one process (TensorRT-LLM batches "
+                "and parallelises inside it): set prefill_instances and decode_instances to 1 "
+                "and run more replicas as more servers"
             )
         if self.conditional_remote_stall > 1:
             raise ConfigError("setting conditional_remote_stall must be between 0 and 1")
@@ -231,6 +243,13 @@ def template_values(s: ServeSettings, run_dir: Path) -> dict[str, str]:
     values = {f.name: str(getattr(s, f.name)) for f in fields(s)}
     values["engine_dir"] = str(s.path("engine_dir"))
     values["router_policy"] = str(s.path("router_policy"))
+    # model processes do not run in the checkout: relative paths resolve against it here
+    for pool in ("prefill", "decode"):
+        options, model = f"trtllm_{pool}_options", f"trtllm_{pool}_model"
+        if getattr(s, options):
+            values[options] = str(s.path(options))
+        if getattr(s, model) and s.path(model).exists():  # else a Hugging Face hub name
+            values[model] = str(s.path(model))
     values["run_dir"] = str(run_dir)
     return values
 

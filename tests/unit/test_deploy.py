@@ -122,3 +122,33 @@ def test_the_serving_image_pins_every_third_party_module_the_served_code_imports
     lines = (ROOT / "deploy" / "requirements-serve.txt").read_text().splitlines()
     pins = {re.split(r"[=\[<>]", x)[0].replace("-", "_") for x in lines if x and x[0] != "#"}
     assert third_party and third_party <= pins, third_party - pins
+
+
+def test_the_gpu_service_sees_what_serve_toml_names_and_runs_with_upstreams_limits(compose):
+    gpu = compose["services"]["triton-gpu"]
+    assert gpu["working_dir"] == "/opt/disagg"  # serve.toml's relative paths resolve here
+    mounts = {v.split(":")[0]: v.split(":")[1] for v in gpu["volumes"]}
+    assert mounts["./engines"] == "/opt/disagg/engines"
+    assert mounts["./checkpoints"] == "/opt/disagg/checkpoints"
+    config = gpu["command"][gpu["command"].index("--config") + 1]
+    assert config.startswith("engines/") and config.endswith("/serve.toml")
+    assert gpu["ipc"] == "host" and "shm_size" not in gpu  # shm_size does nothing with ipc: host
+    assert gpu["ulimits"] == {"memlock": -1, "stack": 67108864}
+
+
+def test_the_image_keeps_its_own_versions_of_what_it_already_has():
+    """TensorRT-LLM 1.0's transformers (4.53) wants tokenizers>=0.21,<0.22 and checks it on
+    import: our tokenizers pin must give way to the image's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("imgreq", ROOT / "deploy/image_requirements.py")
+    imgreq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(imgreq)
+    ours = (ROOT / "deploy" / "requirements-serve.txt").read_text()
+    freeze = "tokenizers==0.21.4\nTritonClient==2.59.0\nnumpy @ file:///wheels/numpy.whl\n"
+    out = imgreq.adapt(ours, freeze).splitlines()
+    assert "tokenizers==0.21.4  # the image's" in out
+    assert "tritonclient[grpc,http]==2.59.0  # the image's" in out  # extras kept
+    assert "numpy  # the image's" in out  # from a URL: no pin of ours either
+    assert "starlette==1.10.0" in out  # not in the image: our pin
+    assert len(out) == len([x for x in ours.splitlines() if x and not x.startswith("#")])

@@ -35,7 +35,7 @@ def trt(monkeypatch):
 
 def engines(trt, max_num_seqs=4):
     api = TrtllmApi.load()
-    prefill_llm, decode_llm = trt.LLM("ckpt", role="prefill"), trt.LLM("ckpt", role="decode")
+    prefill_llm, decode_llm = trt.LLM("ckpt"), trt.LLM("ckpt")
     return (
         TrtllmPrefillEngine(prefill_llm, api, max_prompt_tokens=64),
         TrtllmDecodeEngine(decode_llm, api, max_num_seqs),
@@ -167,3 +167,50 @@ def test_decode_service_drives_the_tensorrt_llm_engine_unchanged(trt):
             assert sink.finish == "length" and len(sink.tokens) == 5 + i - 1
     finally:
         service.stop()
+
+
+def test_greedy_is_top_k_1_and_sampling_keeps_its_parameters(trt):
+    """TensorRT-LLM 1.0 decides greedy from top_k/top_p only: temperature=0 would sample."""
+    from disagg.trtllm.engines import trt_sampling
+
+    api = TrtllmApi.load()
+    greedy = trt_sampling(api, SamplingParams(temperature=0.0, top_p=0.9), seed=1)
+    assert greedy.top_k == 1 and greedy.temperature is None and greedy._greedy_decoding
+    sampled = trt_sampling(api, SamplingParams(temperature=0.7, top_p=0.9, top_k=40), seed=1)
+    assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.7, 0.9, 40)
+    assert not sampled._greedy_decoding
+
+
+def test_bad_words_go_down_as_single_tokens_or_are_refused(trt):
+    from disagg.trtllm.engines import trt_sampling
+
+    api = TrtllmApi.load()
+    sp = trt_sampling(api, SamplingParams(bad_words_ids=((5,), (9,))), seed=1)
+    assert sp.bad_token_ids == [5, 9]
+    with pytest.raises(RequestError, match="longer than one token"):
+        trt_sampling(api, SamplingParams(bad_words_ids=((5, 6),)), seed=1)
+    prefill, _, _, _ = engines(trt)
+    with pytest.raises(RequestError):  # the request's error, a 400: never silently dropped
+        prefill.prefill("r", [1, 2], SamplingParams(bad_words_ids=((5, 6),)))
+
+
+def test_prefill_draws_no_progress_bar(trt):
+    prefill, _, prefill_llm, _ = engines(trt)
+    prefill.prefill("r1", [1, 2, 3], SamplingParams(max_tokens=3))
+    assert prefill_llm.last_use_tqdm is False
+
+
+def test_a_timed_out_request_ends_as_aborted(trt):
+    class TimedOut:
+        def __iter__(self):
+            yield trt.RequestOutput([trt.CompletionOutput([4], None)])
+            yield trt.RequestOutput([trt.CompletionOutput([4, 5], "timeout")])
+
+        def abort(self):
+            pass
+
+    _, decode, _, decode_llm = engines(trt)
+    decode_llm.generate_async = lambda *a, **k: TimedOut()
+    decode.add_request("t", SamplingParams(max_tokens=9), prompt_ids=[1])
+    tokens, reason = drain(decode, "t")
+    assert tokens == [4, 5] and reason == FinishReason.ABORT

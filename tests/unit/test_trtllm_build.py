@@ -1,8 +1,10 @@
-"""The TensorRT-LLM build plan and the GPU serving configuration, without a GPU: dry runs,
-the files a PyTorch-backend build writes, and the GPU variant of every model config."""
+"""The TensorRT-LLM deployment plan and the GPU serving configuration, without a GPU: dry runs,
+the files a build writes (checked against the LLM-API argument set of the test double, which
+holds upstream 1.0's field names), and the GPU variant of every model config."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +16,12 @@ from tritonclient.grpc import model_config_pb2
 
 from disagg.serve.render import render_repositories
 from disagg.settings import ModelParams, ServeSettings, template_values
+from disagg.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "build_engines" / "build_trtllm_engine.py"
+FAKES = ROOT / "tests" / "fakes"
 
 
 def run(*args) -> subprocess.CompletedProcess:
@@ -26,55 +30,132 @@ def run(*args) -> subprocess.CompletedProcess:
     )
 
 
-def test_dry_run_of_the_legacy_build_prints_every_command_and_writes_nothing(tmp_path):
+@pytest.fixture
+def checkpoint(tmp_path, engine_dir):
+    """A Llama-3.1-shaped Hugging Face checkpoint directory (config + tokenizer, no weights:
+    TensorRT-LLM would read those), with rope scaling the CPU engine cannot run."""
+    ckpt = tmp_path / "checkpoints" / "llama"
+    ckpt.mkdir(parents=True)
+    config = {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+        "vocab_size": 49152, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0},
+    }  # fmt: skip
+    (ckpt / "config.json").write_text(json.dumps(config))
+    (ckpt / "tokenizer.json").write_text((Path(engine_dir) / "tokenizer.json").read_text())
+    tok = json.loads((Path(engine_dir) / "tokenizer_config.json").read_text())
+    tok["eos_token"] = {"content": tok["eos_token"]}  # HF writes special tokens either way
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(tok))
+    return ckpt
+
+
+@pytest.fixture
+def trt(monkeypatch):
+    monkeypatch.syspath_prepend(str(FAKES))
+    for name in [m for m in sys.modules if m.startswith("tensorrt_llm")]:
+        monkeypatch.delitem(sys.modules, name)
+    import tensorrt_llm
+
+    return tensorrt_llm
+
+
+def test_dry_run_prints_every_file_and_writes_nothing(tmp_path):
     out = tmp_path / "engines"
-    r = run("--checkpoint", "/models/llama", "--out", str(out), "--backend", "tensorrt",
-            "--prefill-tp", "2", "--decode-tp", "4", "--dry-run")  # fmt: skip
+    r = run("--checkpoint", "/models/llama", "--out", str(out), "--prefill-tp", "2",
+            "--prefill-devices", "0,1", "--decode-devices", "2", "--dry-run")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
-    converts = [x for x in lines if "convert_checkpoint.py" in x]
-    builds = [x for x in lines if x.startswith("trtllm-build ")]
-    assert len(converts) == 2 and len(builds) == 2
-    assert "--tp_size 2" in converts[0] and "--tp_size 4" in converts[1]
-    assert f"--output_dir {out}/prefill_engine" in builds[0]
-    assert f"--output_dir {out}/decode_engine" in builds[1]
-    assert "--max_batch_size 8 " in builds[0] and "--max_batch_size 128 " in builds[1]
-    assert f"# write {out}/serve.toml:" in r.stdout
+    for name in ("prefill.yaml", "decode.yaml", "serve.toml"):
+        assert f"# write {out}/{name}:" in r.stdout
+    assert f"# write {out}/disagg/: config.json and tokenizer files" in r.stdout
+    assert "tensor_parallel_size: 2" in r.stdout
+    assert "note: /models/llama is outside the checkout" in r.stdout  # compose won't see it
     assert not out.exists()
 
 
-def test_pytorch_backend_build_writes_pool_options_and_settings_that_serve_loads(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    out = tmp_path / "engines"
-    r = run("--checkpoint", str(ckpt), "--out", str(out), "--transceiver", "NIXL",
-            "--decode-max-batch-size", "64", "--decode-tp", "2")  # fmt: skip
+def test_a_build_writes_options_the_llm_api_accepts_and_settings_serve_loads(
+    tmp_path, checkpoint, trt
+):
+    out = tmp_path / "engines" / "llama"
+    r = run("--checkpoint", str(checkpoint), "--out", str(out), "--transceiver", "nixl",
+            "--decode-max-batch-size", "64", "--decode-tp", "2", "--decode-devices", "1,2",
+            "--decode-host-cache-gb", "4")  # fmt: skip
     assert r.returncode == 0, r.stderr
     prefill = yaml.safe_load((out / "prefill.yaml").read_text())
     decode = yaml.safe_load((out / "decode.yaml").read_text())
-    assert (
-        prefill["disable_overlap_scheduler"] is True and "disable_overlap_scheduler" not in decode
-    )
+    from disagg.trtllm.runtime import spell_transceiver, transceiver_backends
+
+    for options in (prefill, decode):  # no key outside upstream's argument set
+        trt.LLM("ckpt", **spell_transceiver(options, transceiver_backends()))
+    assert prefill["disable_overlap_scheduler"] is True
+    assert "disable_overlap_scheduler" not in decode
     assert decode["cache_transceiver_config"]["backend"] == "NIXL"
     assert decode["max_batch_size"] == 64 and decode["tensor_parallel_size"] == 2
+    # decode prefills fallback prompts itself: over its token budget only in chunks
+    assert decode["max_num_tokens"] < decode["max_seq_len"] and decode["enable_chunked_prefill"]
+    assert "enable_chunked_prefill" not in prefill  # 8192 >= 4096: whole prompts fit
+    assert decode["kv_cache_config"] == {
+        "free_gpu_memory_fraction": 0.85,
+        "host_cache_size": 4 << 30,  # KV offload to host memory, asked for
+    }
     settings = ServeSettings.load(out / "serve.toml", env={})
-    assert settings.engine_backend == "tensorrt_llm" and settings.instance_kind == "KIND_GPU"
-    assert settings.trtllm_decode_model == str(ckpt) and settings.decode_max_num_seqs == 64
+    assert settings.engine_backend == "tensorrt_llm"
+    assert settings.trtllm_decode_model == str(checkpoint) and settings.decode_max_num_seqs == 64
+    assert (settings.trtllm_prefill_devices, settings.trtllm_decode_devices) == ("0", "1,2")
+    assert settings.conditional_remote_stall == 0.0  # separate GPUs
+    # the engine directory: what the tokenizer, router and orchestrator load
+    assert settings.path("engine_dir") == out / "disagg"
+    tok = Tokenizer(settings.path("engine_dir"))
+    assert tok.eos_token_id is not None and tok.encode("Hello") != []
+    meta = json.loads((out / "disagg" / "config.json").read_text())
+    assert meta["format_version"] == 1 and meta["n_kv_heads"] == 2
+    assert not (out / "disagg" / "model.safetensors").exists()
 
 
-def test_legacy_build_without_tensorrt_llm_fails_clearly(tmp_path):
-    r = run("--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"), "--backend", "tensorrt")
-    assert r.returncode == 2 and "trtllm-build not found" in r.stderr
+def test_pools_sharing_a_gpu_get_fractions_that_fit_together(tmp_path, checkpoint):
+    out = tmp_path / "o"
+    r = run("--checkpoint", str(checkpoint), "--out", str(out), "--decode-devices", "0")
+    assert r.returncode == 0, r.stderr
+    fractions = [
+        yaml.safe_load((out / f"{role}.yaml").read_text())["kv_cache_config"][
+            "free_gpu_memory_fraction"
+        ]
+        for role in ("prefill", "decode")
+    ]
+    assert sum(fractions) < 0.9  # each takes a share of the free memory it finds at load
+    assert ServeSettings.load(out / "serve.toml", env={}).conditional_remote_stall == 0.5
+    r = run("--checkpoint", str(checkpoint), "--out", str(out), "--decode-devices", "0",
+            "--prefill-kv-fraction", "0.5", "--decode-kv-fraction", "0.5")  # fmt: skip
+    assert r.returncode == 2 and "sum under 0.95" in r.stderr
+    r = run("--checkpoint", str(checkpoint), "--out", str(out), "--decode-tp", "2")
+    assert r.returncode == 2 and "2 GPU(s)" in r.stderr
 
 
-def test_gpu_variant_of_every_model_config_parses(tmp_path):
+def test_a_checkpoint_that_is_not_one_fails_clearly(tmp_path):
+    r = run("--checkpoint", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "not a Hugging Face checkpoint" in r.stderr
+
+
+def test_serve_toml_paths_inside_the_checkout_are_relative(tmp_path):
+    """So the file works on the host and in the compose gpu service (checkout at /opt/disagg)."""
+    from disagg.trtllm.build import BuildSpec, serve_settings
+
+    spec = BuildSpec(checkpoint=ROOT / "checkpoints" / "m", out_dir=ROOT / "engines" / "m")
+    s = serve_settings(spec)
+    assert s["trtllm_prefill_model"] == "checkpoints/m"
+    assert s["trtllm_decode_options"] == "engines/m/decode.yaml"
+    assert s["engine_dir"] == "engines/m/disagg"
+
+
+def test_gpu_variant_of_every_model_config_parses_and_resolves_paths(tmp_path):
     settings = ServeSettings(
         engine_backend="tensorrt_llm",
-        instance_kind="KIND_GPU",
-        trtllm_prefill_model="/engines/prefill_engine",
-        trtllm_decode_model="/engines/decode_engine",
-        trtllm_prefill_options="/engines/prefill.yaml",
-        trtllm_decode_options="/engines/decode.yaml",
+        trtllm_prefill_model="checkpoints/llama",  # not here: stays as given (a hub name)
+        trtllm_decode_model=str(ROOT / "model_repository"),  # exists: absolute
+        trtllm_prefill_options="engines/x/prefill.yaml",
+        trtllm_decode_options="/abs/decode.yaml",
+        trtllm_prefill_devices="0",
+        trtllm_decode_devices="1",
     )
     repos = render_repositories(template_values(settings, tmp_path / "run"), tmp_path / "out")
     configs = {
@@ -82,39 +163,96 @@ def test_gpu_variant_of_every_model_config_parses(tmp_path):
         for repo in repos
         for cfg in repo.glob("*/config.pbtxt")
     }
-    for role in ("prefill", "decode"):
+    for role, device in (("prefill", "0"), ("decode", "1")):
         c = configs[role]
-        assert c.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_GPU
+        # the model picks its GPUs itself (upstream's LLM-API model does the same)
+        assert c.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
         assert c.parameters["engine_backend"].string_value == "tensorrt_llm"
-        assert c.parameters[f"trtllm_{role}_model"].string_value == f"/engines/{role}_engine"
-        assert c.parameters[f"trtllm_{role}_options"].string_value == f"/engines/{role}.yaml"
+        assert c.parameters[f"trtllm_{role}_devices"].string_value == device
+        ModelParams({k: v.string_value for k, v in c.parameters.items()}, role)
+    p = configs["prefill"].parameters
+    assert p["trtllm_prefill_options"].string_value == str(ROOT / "engines/x/prefill.yaml")
+    assert p["trtllm_prefill_model"].string_value == "checkpoints/llama"
+    d = configs["decode"].parameters
+    assert d["trtllm_decode_options"].string_value == "/abs/decode.yaml"
+    assert d["trtllm_decode_model"].string_value == str(ROOT / "model_repository")
     assert len(configs) == 9
 
 
-def test_runtime_builds_each_pool_with_its_options(tmp_path, monkeypatch):
-    """The LLM gets the pool's options file as keyword arguments (test double of the library,
-    see tests/fakes/tensorrt_llm)."""
-    monkeypatch.syspath_prepend(str(ROOT / "tests" / "fakes"))
-    for name in [m for m in sys.modules if m.startswith("tensorrt_llm")]:
-        monkeypatch.delitem(sys.modules, name)
+def test_tensorrt_llm_pools_are_one_process_each():
+    with pytest.raises(Exception, match="one process"):
+        ServeSettings(engine_backend="tensorrt_llm", decode_instances=2)
+
+
+def _params(tmp_path, options: dict, **extra) -> ModelParams:
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(options))
+    raw = {
+        "trtllm_prefill_model": "/ckpt",
+        "trtllm_prefill_options": str(tmp_path / "p.yaml"),
+        "trtllm_decode_model": "/ckpt",
+        "trtllm_decode_options": str(tmp_path / "p.yaml"),
+        "trtllm_prefill_devices": "",
+        "trtllm_decode_devices": "",
+        "max_model_len": "512",
+        "decode_max_num_seqs": "3",
+    }
+    return ModelParams({**raw, **extra})
+
+
+def test_runtime_builds_each_pool_with_its_options(tmp_path, trt, monkeypatch):
     from disagg.trtllm.runtime import decode_engine, prefill_engine
 
-    (tmp_path / "p.yaml").write_text(
-        "max_batch_size: 8\nkv_cache_config: {free_gpu_memory_fraction: 0.5}\n"
-    )
-    options = str(tmp_path / "p.yaml")
-    p = ModelParams(
-        {
-            "trtllm_prefill_model": "/ckpt",
-            "trtllm_prefill_options": options,
-            "trtllm_decode_model": "/ckpt",
-            "trtllm_decode_options": options,
-            "max_model_len": "512",
-            "decode_max_num_seqs": "3",
-        }
-    )
-    pre = prefill_engine(p)
-    assert pre.llm.model == "/ckpt" and pre.llm.options["kv_cache_config"] == {
-        "free_gpu_memory_fraction": 0.5
-    }  # noqa: E501
-    assert pre.max_prompt_tokens == 511 and decode_engine(p).max_num_seqs == 3
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    options = {"max_batch_size": 8, "kv_cache_config": {"free_gpu_memory_fraction": 0.5}}
+    pre = prefill_engine(_params(tmp_path, options))
+    assert pre.llm.model == "/ckpt" and pre.llm.options == options
+    assert pre.max_prompt_tokens == 511
+    dec = decode_engine(_params(tmp_path, options, trtllm_decode_devices="3"))
+    assert dec.max_num_seqs == 3
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"  # set in the stub before the import
+
+
+@pytest.mark.parametrize(
+    "literals, written, passed",
+    [
+        (("default", "ucx", "nixl", "mpi"), "UCX", "ucx"),  # 1.0
+        (("DEFAULT", "UCX", "NIXL", "MPI"), "ucx", "UCX"),  # later releases
+    ],
+)
+def test_the_transceiver_backend_is_spelled_as_the_installed_version_wants(
+    tmp_path, trt, monkeypatch, literals, written, passed
+):
+    from typing import Literal
+
+    from tensorrt_llm.llmapi import llm_args
+
+    from disagg.trtllm.runtime import prefill_engine
+
+    field = llm_args.CacheTransceiverConfig.model_fields["backend"]
+    monkeypatch.setattr(field, "annotation", Literal[literals] | None)
+    options = {"cache_transceiver_config": {"backend": written}}
+    with pytest.raises(ValueError, match="input should be"):
+        trt.LLM("ckpt", **options)  # what pydantic does with the wrong case
+    llm = prefill_engine(_params(tmp_path, options)).llm
+    assert llm.options["cache_transceiver_config"]["backend"] == passed
+
+
+@pytest.mark.parametrize(
+    "options, extra, message",
+    [
+        ({"no_such_option": 1}, {}, "Extra inputs"),
+        ({"kv_cache_config": {"free_gpu_memory_frac": 0.5}}, {}, "extra inputs"),
+        ({"max_num_tokens": 256}, {}, "max_num_tokens 256 is under max_model_len 512"),
+        ({"tensor_parallel_size": 2}, {"trtllm_prefill_devices": "0"}, "names 1"),
+        ({}, {"trtllm_prefill_devices": "gpu0"}, "GPU indexes"),
+    ],
+)
+def test_options_the_library_or_the_pool_cannot_take_fail_at_load(
+    tmp_path, trt, options, extra, message
+):
+    from disagg.trtllm.runtime import prefill_engine
+
+    with pytest.raises(Exception, match=message):
+        prefill_engine(_params(tmp_path, options, **extra))

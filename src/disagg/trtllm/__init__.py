@@ -1,6 +1,6 @@
 """TensorRT-LLM behind the same prefill/decode contract as the PyTorch engine.
 
-TensorRT-LLM's LLM API (PyTorch backend, or prebuilt TensorRT engines) runs disaggregated
+TensorRT-LLM's LLM API (its PyTorch backend) runs disaggregated
 serving itself: a `context_only` request computes the prompt's KV cache and returns
 `DisaggregatedParams`; a `generation_only` request with those parameters continues on another
 executor, its KV cache pulled through TensorRT-LLM's cache transceiver (UCX or NIXL), never

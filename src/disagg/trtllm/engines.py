@@ -26,10 +26,11 @@ from disagg.errors import CapacityError, RequestError
 from disagg.sequence import FinishReason, SamplingParams
 from disagg.trtllm.payload import TrtllmHandoff, params_to_dict
 
-FINISH = {
+FINISH = {  # CompletionOutput.finish_reason (1.0: stop, length, timeout, cancelled)
     "stop": FinishReason.STOP,
     "length": FinishReason.LENGTH,
     "cancelled": FinishReason.ABORT,  # after result.abort()
+    "timeout": FinishReason.ABORT,  # the request's own timeout, ended by the server
 }
 
 
@@ -50,17 +51,31 @@ class TrtllmApi:
 
 
 def trt_sampling(api: TrtllmApi, params: SamplingParams, seed: int, max_tokens: int | None = None):
-    kwargs = dict(
-        max_tokens=max_tokens or params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        seed=seed,
-        ignore_eos=params.ignore_eos,
+    """Our sampling parameters in the LLM API's terms.
+
+    Greedy is top_k=1: TensorRT-LLM 1.0 decides greedy from top_k/top_p alone
+    (SamplingParams._greedy_decoding), so temperature=0 would sample. Stop strings never go
+    down: the orchestrator matches them on the text and ends the request (finish_request).
+    Bad words go down as `bad_token_ids`, which bans single tokens only: a longer sequence is
+    refused rather than silently dropped."""
+    kwargs: dict[str, Any] = dict(
+        max_tokens=max_tokens or params.max_tokens, seed=seed, ignore_eos=params.ignore_eos
     )
-    if params.top_k > 0:
-        kwargs["top_k"] = params.top_k
+    if params.is_greedy:
+        kwargs["top_k"] = 1
+    else:
+        kwargs.update(temperature=params.temperature, top_p=params.top_p)
+        if params.top_k > 0:
+            kwargs["top_k"] = params.top_k
     if params.stop_token_ids:
         kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    if params.bad_words_ids:
+        if any(len(words) != 1 for words in params.bad_words_ids):
+            raise RequestError(
+                "bad words longer than one token are not supported with TensorRT-LLM "
+                "(its bad_token_ids bans single tokens)"
+            )
+        kwargs["bad_token_ids"] = [words[0] for words in params.bad_words_ids]
     return api.SamplingParams(**kwargs)
 
 
@@ -82,6 +97,7 @@ class TrtllmPrefillEngine:
         out = self.llm.generate(
             prompt_ids,
             sampling_params=trt_sampling(self.api, params, seed, max_tokens=1),
+            use_tqdm=False,  # the default draws a progress bar per call on the server's stderr
             disaggregated_params=self.api.DisaggregatedParams(request_type="context_only"),
         )
         completion = out.outputs[0]

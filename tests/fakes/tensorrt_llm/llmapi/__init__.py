@@ -1,4 +1,4 @@
-"""Test double of `tensorrt_llm.llmapi.DisaggregatedParams` (see the package docstring)."""
+"""Test double of `tensorrt_llm.llmapi` (see the package docstring): DisaggregatedParams."""
 
 from __future__ import annotations
 
