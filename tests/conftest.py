@@ -14,6 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_DIR = Path(os.environ.get("DISAGG_ENGINE_DIR", ROOT / "engines" / "smollm2-135m-instruct"))
+# the device the model tests run the engine on: cpu here; cuda on a GPU machine
+# (deploy/gpu_engine_check.sh runs them so)
+DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +38,7 @@ def tokenizer(engine_dir):
 def llm(engine_dir):
     from disagg.llm import LLM
 
-    return LLM(engine_dir)
+    return LLM(engine_dir, device=DEVICE)
 
 
 LAYERS = ("unit", "model", "integration")

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         default="float32",
         help="matmul precision (bfloat16 needs a CPU with native bf16)",
     )
+    g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
     g.add_argument(
         "--co-located",
         action="store_true",
@@ -65,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         start = time.perf_counter()
-        llm = LLM(a.engine_dir, disaggregated=not a.co_located, compute_dtype=a.dtype)
+        llm = LLM(
+            a.engine_dir,
+            disaggregated=not a.co_located,
+            compute_dtype=a.dtype,
+            device=a.device,
+        )
         params = SamplingParams(
             max_tokens=a.max_tokens,
             temperature=a.temperature,

@@ -61,7 +61,7 @@ class PrefillEngine:
         self.model = model
         self.config = config
         self._kv_buffers = None
-        if reuse_kv_buffers:
+        if reuse_kv_buffers and model.device.type == "cpu":
             a = model.args
             shape = (a.n_layers, a.n_kv_heads, config.max_model_len, a.head_dim)
             self._kv_buffers = (
@@ -76,8 +76,8 @@ class PrefillEngine:
         start = time.perf_counter()
         logits, k, v = self.model.prefill(prompt_ids, kv_out=self._kv_buffers)
         seed = resolve_seed(params)
-        first = sample_one(logits, params, seed, [])
-        kv = KVPayload.from_arrays(self.model.args, k.numpy(), v.numpy())
+        first = sample_one(logits.cpu(), params, seed, [])
+        kv = KVPayload.from_arrays(self.model.args, k.cpu().numpy(), v.cpu().numpy())
         return PrefillResult(request_id, first, kv, seed, time.perf_counter() - start)
 
 
@@ -102,7 +102,11 @@ class DecodeEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.scheduler = Scheduler(config)
         self.cache = KVCacheSlots(
-            model.args, config.max_num_seqs, config.max_model_len, prefault=config.prefault_kv
+            model.args,
+            config.max_num_seqs,
+            config.max_model_len,
+            prefault=config.prefault_kv,
+            device=model.device,
         )
         self._seqs: dict[str, Sequence] = {}
         self._finish_requests: dict[str, FinishReason] = {}
@@ -191,7 +195,7 @@ class DecodeEngine:
             return outputs
         tokens = torch.tensor([s.last_token for s in running])
         positions = torch.tensor([s.num_cached_tokens for s in running])
-        logits = self.model.decode(tokens, positions, self.cache)  # [B, V]
+        logits = self.model.decode(tokens, positions, self.cache).cpu()  # [B, V]: sampled here
         new = sample_batch(
             logits,
             [s.params for s in running],
@@ -233,8 +237,8 @@ class DecodeEngine:
         else:
             prompt = self._prompts.pop(seq.request_id)
             logits, k, v = self.model.prefill(prompt)
-            self.cache.write(seq.slot, k.numpy(), v.numpy())
-            first = sample_one(logits, seq.params, seq.seed, [])
+            self.cache.write(seq.slot, k, v)
+            first = sample_one(logits.cpu(), seq.params, seq.seed, [])
             seq.output_ids.append(first)
             reason = self.scheduler.stop_reason(seq)
             outputs.append(TokenOutput(seq.request_id, first, 0, reason))

@@ -53,8 +53,9 @@ class LLM:
         config: EngineConfig | None = None,
         disaggregated: bool = True,
         compute_dtype: str = "float32",
+        device: str = "cpu",
     ) -> None:
-        self.model = Llama.load(engine_dir, compute_dtype)
+        self.model = Llama.load(engine_dir, compute_dtype, device)
         self.tokenizer = Tokenizer(engine_dir)
         self.config = config or EngineConfig(max_model_len=self.model.args.max_context)
         self.prefill_engine = PrefillEngine(self.model, self.config)

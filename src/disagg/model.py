@@ -11,6 +11,10 @@ large matrix products, and are pre-packed once at load into oneDNN's blocked lay
 on 2 cores its fp32 linear reads the weights 1.5-3x faster than torch's default (MKL)
 path at 1-32 rows, the decode batch sizes, and is no slower for prefill (measured in
 benchmarks/engine_bench.py). Without oneDNN, plain `F.linear` is used.
+
+The same code runs on a CUDA device (`device="cuda"`): weights, RoPE tables and the KV cache
+live there and linear layers are plain `F.linear` (cuBLAS); the engine samples on the CPU
+from logits copied back, so a seed draws the same tokens on every device.
 """
 
 from __future__ import annotations
@@ -42,10 +46,12 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class Linear:
-    """A weight [out, in] in the layout `linear` reads fastest (oneDNN blocked, if present)."""
+    """A weight [out, in] in the layout `linear` reads fastest (oneDNN blocked on a CPU that
+    has it, else as it is)."""
 
     weight: torch.Tensor
     pad_one_row: bool = False  # compute a single row as two rows (see `linear`)
+    onednn: bool = False
 
 
 def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -67,28 +73,48 @@ def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
 
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+CPU = torch.device("cpu")
 
 
 def bf16_supported() -> bool:
     return HAS_ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _matmul_dtype(compute_dtype: str) -> torch.dtype:
+def resolve_device(name: str) -> torch.device:
+    """ "cpu", "cuda" or "cuda:N", refused clearly where it is not there."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {name!r}: {e}") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu or cuda[:N], got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r}: this torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r}: only {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def _matmul_dtype(compute_dtype: str, device: torch.device = CPU) -> torch.dtype:
     if compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
-    if compute_dtype == "bfloat16" and not bf16_supported():
-        raise ConfigError(
-            "compute_dtype bfloat16 needs a CPU with native bf16 matmul "
-            "(AVX512-BF16 or AMX); this one has none: use float32"
-        )
+    if compute_dtype == "bfloat16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("compute_dtype bfloat16 needs a GPU with bf16 (sm80 or newer)")
+        if device.type == "cpu" and not bf16_supported():
+            raise ConfigError(
+                "compute_dtype bfloat16 needs a CPU with native bf16 matmul "
+                "(AVX512-BF16 or AMX); this one has none: use float32"
+            )
     return torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
 
 
-def pack(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> Linear:
-    if not HAS_ONEDNN:
-        return Linear(w.contiguous())
+def pack(w: torch.Tensor, dtype: torch.dtype = torch.float32, onednn: bool = HAS_ONEDNN) -> Linear:
     w = w.to(dtype)
-    return Linear(_onednn_pack(w), _one_row_differs(tuple(w.shape), dtype))
+    if not onednn:
+        return Linear(w.contiguous())
+    return Linear(_onednn_pack(w), _one_row_differs(tuple(w.shape), dtype), onednn=True)
 
 
 def linear(x: torch.Tensor, lin: Linear) -> torch.Tensor:
@@ -97,10 +123,10 @@ def linear(x: torch.Tensor, lin: Linear) -> torch.Tensor:
     Batch invariant: a row's result does not depend on the other rows, so a sequence decodes
     to the same tokens alone or in any batch. Where oneDNN's single-row kernel sums in
     another order, one row is computed as two (the weights are still read once)."""
-    if not HAS_ONEDNN:
-        return F.linear(x, lin.weight)
     if lin.weight.dtype != x.dtype:  # bf16 weights: bf16 in, fp32 residual stream out
         return linear(x.to(lin.weight.dtype), lin).float()
+    if not lin.onednn:
+        return F.linear(x, lin.weight)
     if lin.pad_one_row and x.shape[0] == 1:
         return _onednn(x.expand(2, -1), lin.weight)[:1]
     return _onednn(x, lin.weight)
@@ -138,23 +164,39 @@ class KVCacheSlots:
     """
 
     def __init__(
-        self, args: ModelArgs, max_slots: int, max_len: int, prefault: bool = False
+        self,
+        args: ModelArgs,
+        max_slots: int,
+        max_len: int,
+        prefault: bool = False,
+        device: torch.device = CPU,
     ) -> None:
         shape = (args.n_layers, max_slots, args.n_kv_heads, max_len, args.head_dim)
-        self.k = torch.from_numpy(np.zeros(shape, dtype=np.float32))
-        self.v = torch.from_numpy(np.zeros(shape, dtype=np.float32))
-        if prefault:  # write every page now rather than on the first decode step using it
-            self.k.numpy().fill(0.0)
-            self.v.numpy().fill(0.0)
+        if device.type == "cpu":
+            self.k = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+            self.v = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+            if prefault:  # write every page now rather than on the first decode step using it
+                self.k.numpy().fill(0.0)
+                self.v.numpy().fill(0.0)
+        else:  # device memory is committed at allocation
+            self.k = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.v = torch.zeros_like(self.k)
+        self.device = device
         self.max_slots = max_slots
         self.max_len = max_len
 
-    def write(self, slot: int, k: np.ndarray, v: np.ndarray) -> None:
+    def write(self, slot: int, k: np.ndarray | torch.Tensor, v: np.ndarray | torch.Tensor) -> None:
         """Store a sequence's K/V ([L, H_kv, S, D]) at positions 0..S-1 of `slot`.
-        Through numpy: a payload's arrays may be read-only views of received bytes."""
+        On the CPU through numpy: a payload's arrays may be read-only views of received
+        bytes. Elsewhere one host-to-device copy each (none for K/V already there)."""
         n = k.shape[2]
-        self.k.numpy()[:, slot, :, :n] = k
-        self.v.numpy()[:, slot, :, :n] = v
+        if self.device.type == "cpu":
+            self.k.numpy()[:, slot, :, :n] = k.numpy() if isinstance(k, torch.Tensor) else k
+            self.v.numpy()[:, slot, :, :n] = v.numpy() if isinstance(v, torch.Tensor) else v
+            return
+        for dst, src in ((self.k, k), (self.v, v)):
+            src = src if isinstance(src, torch.Tensor) else torch.from_numpy(np.asarray(src))
+            dst[:, slot, :, :n] = src
 
     def move(self, src: int, dst: int, num_tokens: int) -> None:
         self.k[:, dst, :, :num_tokens] = self.k[:, src, :, :num_tokens]
@@ -163,47 +205,62 @@ class KVCacheSlots:
 
 class Llama:
     def __init__(
-        self, args: ModelArgs, weights: dict[str, torch.Tensor], compute_dtype: str = "float32"
+        self,
+        args: ModelArgs,
+        weights: dict[str, torch.Tensor],
+        compute_dtype: str = "float32",
+        device: str = "cpu",
+        onednn: bool | None = None,
     ) -> None:
         """compute_dtype "bfloat16" stores the layers' matmul weights in bf16 and feeds them
         bf16 activations (fp32 accumulation; norms, attention, residual stream, KV cache and
-        the LM head stay fp32): 40% fewer bytes per decode step, on CPUs with native bf16."""
+        the LM head stay fp32): 40% fewer bytes per decode step, on CPUs with native bf16.
+        `onednn` (None: where it helps, the CPU) picks the linear kernels; False on a CPU runs
+        the plain path other devices take."""
         self.args = args
         self.compute_dtype = compute_dtype
-        dtype = _matmul_dtype(compute_dtype)
-        self.embed = weights["model.embed_tokens.weight"]  # [V, dim]
-        head = self.embed if args.tie_embeddings else weights["lm_head.weight"]
-        self.lm_head = pack(head)  # fp32 always: bf16 logits flipped too many argmaxes
-        self.norm = weights["model.norm.weight"]
-        self.layers = [self._fuse(weights, i, dtype) for i in range(args.n_layers)]
-        self.cos, self.sin = rope_tables(args)
+        self.device = resolve_device(device)
+        dtype = _matmul_dtype(compute_dtype, self.device)
+        self.onednn = HAS_ONEDNN and self.device.type == "cpu" if onednn is None else onednn
+        w = {k: v.to(self.device) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]  # [V, dim]
+        head = self.embed if args.tie_embeddings else w["lm_head.weight"]
+        # fp32 always: bf16 logits flipped too many argmaxes
+        self.lm_head = pack(head, onednn=self.onednn)
+        self.norm = w["model.norm.weight"]
+        self.layers = [self._fuse(w, i, dtype) for i in range(args.n_layers)]
+        self.cos, self.sin = (t.to(self.device) for t in rope_tables(args))
         self.scale = args.head_dim**-0.5
 
-    @staticmethod
-    def _fuse(w: dict[str, torch.Tensor], i: int, dtype: torch.dtype) -> LayerWeights:
+    def _fuse(self, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype) -> LayerWeights:
         p = f"model.layers.{i}."
+
+        def lin(t: torch.Tensor) -> Linear:
+            return pack(t, dtype, self.onednn)
+
         return LayerWeights(
             attn_norm=w[p + "input_layernorm.weight"],
-            wqkv=pack(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]), dtype),
-            wo=pack(w[p + "self_attn.o_proj.weight"], dtype),
+            wqkv=lin(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
+            wo=lin(w[p + "self_attn.o_proj.weight"]),
             ffn_norm=w[p + "post_attention_layernorm.weight"],
-            w13=pack(
-                torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), dtype
-            ),
-            w2=pack(w[p + "mlp.down_proj.weight"], dtype),
+            w13=lin(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+            w2=lin(w[p + "mlp.down_proj.weight"]),
         )
 
     @classmethod
-    def load(cls, engine_dir: str | Path, compute_dtype: str = "float32") -> Llama:
+    def load(
+        cls, engine_dir: str | Path, compute_dtype: str = "float32", device: str = "cpu"
+    ) -> Llama:
         from safetensors.torch import load_file
 
         args = load_model_args(engine_dir)
         path = Path(engine_dir) / WEIGHTS_FILE
         if not path.is_file():
             raise ConfigError(f"{path} not found: rebuild the engine")
-        _matmul_dtype(compute_dtype)  # refuse an unusable dtype before reading the weights
+        # refuse an unusable device or dtype before reading the weights
+        _matmul_dtype(compute_dtype, resolve_device(device))
         weights = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
-        return cls(args, weights, compute_dtype)
+        return cls(args, weights, compute_dtype, device)
 
     # ------------------------------------------------------------ shared pieces
 
@@ -239,11 +296,11 @@ class Llama:
         s = len(token_ids)
         cos, sin = self.cos[:s, None, :], self.sin[:s, None, :]  # [S, 1, D]
         if kv_out is None:
-            k_out = torch.empty(a.n_layers, a.n_kv_heads, s, a.head_dim)
+            k_out = torch.empty(a.n_layers, a.n_kv_heads, s, a.head_dim, device=self.device)
             v_out = torch.empty_like(k_out)
         else:
             k_out, v_out = kv_out[0][:, :, :s], kv_out[1][:, :, :s]
-        x = self.embed[torch.tensor(token_ids)]  # [S, dim]
+        x = self.embed[torch.tensor(token_ids, device=self.device)]  # [S, dim]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             k_out[i], v_out[i] = k.transpose(0, 1), v.transpose(0, 1)
@@ -274,20 +331,25 @@ class Llama:
         Returns logits [B, V]."""
         a = self.args
         b = tokens.shape[0]
+        dev = self.device
+        last = int(positions.max())  # before the copy to the device: no sync there
+        tokens, positions = tokens.to(dev), positions.to(dev)
         # Attend over positions 0..t-1, t rounded up to a multiple of ATTN_BLOCK: reductions
         # over t then see whole blocks of exact zeros past each sequence's end, so a
         # sequence's result is the same alone or beside longer ones (batch invariance).
-        t = min(-(-(int(positions.max()) + 1) // ATTN_BLOCK) * ATTN_BLOCK, cache.max_len)
+        t = min(-(-(last + 1) // ATTN_BLOCK) * ATTN_BLOCK, cache.max_len)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [B, 1, D]
         # Row of (slot b, head h, position p) in a layer's cache viewed as [slots*H_kv*len, D]:
         # new K/V go in with one index_copy_ (advanced indexing was 10% of a step).
-        heads = torch.arange(a.n_kv_heads)
+        heads = torch.arange(a.n_kv_heads, device=dev)
         rows = (
-            (torch.arange(b)[:, None] * a.n_kv_heads + heads) * cache.max_len + positions[:, None]
+            (torch.arange(b, device=dev)[:, None] * a.n_kv_heads + heads) * cache.max_len
+            + positions[:, None]
         ).reshape(-1)  # [B * H_kv]
         # mask: [B, 1, 1, T], -inf past each sequence's own length
-        mask = torch.zeros(b, 1, 1, t)
-        mask.masked_fill_((torch.arange(t) > positions[:, None])[:, None, None, :], float("-inf"))
+        mask = torch.zeros(b, 1, 1, t, device=dev)
+        past_end = torch.arange(t, device=dev) > positions[:, None]
+        mask.masked_fill_(past_end[:, None, None, :], float("-inf"))
         x = self.embed[tokens]  # [B, dim]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)

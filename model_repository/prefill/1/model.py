@@ -31,7 +31,7 @@ class TritonPythonModel:
             return
         pb.set_torch_threads(p.prefill_torch_threads)
         self.engine = PrefillEngine(
-            Llama.load(p.engine_dir, p.compute_dtype),
+            Llama.load(p.engine_dir, p.compute_dtype, p.device),
             p.engine_config("prefill"),
             reuse_kv_buffers=True,
         )
