@@ -16,6 +16,7 @@ by the serving models).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -90,6 +91,14 @@ def parse(argv: list[str] | None) -> tuple[BuildSpec, bool]:
     return spec, a.dry_run
 
 
+def installed_tensorrt_llm() -> str | None:
+    try:
+        import tensorrt_llm
+    except Exception:  # not in this environment (a build outside the image)
+        return None
+    return str(tensorrt_llm.__version__)
+
+
 def main(argv: list[str] | None = None) -> int:
     spec, dry_run = parse(argv)
     print(describe(spec))
@@ -103,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     for path, text in files(spec).items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+    # what the options were written for (disagg doctor compares it with the serving image)
+    record = {"tensorrt_llm": installed_tensorrt_llm(), "transceiver": spec.transceiver}
+    (spec.out_dir / "build.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"done: python -m disagg serve --config {spec.out_dir / 'serve.toml'}", file=sys.stderr)
     return 0
 

@@ -4,6 +4,7 @@
     disagg serve                   the whole stack on an embedded tritonserver (make serve)
     disagg gateway                 the OpenAI-compatible gateway alone, in front of a Triton
     disagg status                  a live view of a running server's pools and metrics
+    disagg doctor                  check the machine and settings before filing a bug
     disagg bench run|compare|report   goodput benchmarks (client/benchmark.py)
 
 Each subcommand's options: `disagg <command> --help`.
@@ -25,6 +26,7 @@ DELEGATED = {
     "serve": ("disagg.serve.__main__", "serve the model end to end on an embedded tritonserver"),
     "gateway": ("disagg.gateway.__main__", "run the OpenAI-compatible gateway alone"),
     "status": ("disagg.status", "watch a running server (pools, batch, KV, latency)"),
+    "doctor": ("disagg.doctor", "check this machine and setup; what to fix for each failure"),
     "bench": ("disagg.bench.cli", "goodput benchmarks: run, compare, report"),
 }
 

@@ -286,3 +286,14 @@ def test_decode_process_killed_mid_stream(server, http):
         "decode_pid"
     ]
     assert new_pid != pid
+
+
+def test_doctor_on_a_running_server_finds_every_model_ready_and_times_a_request(server):
+    from disagg.doctor import checks as C
+    from disagg.doctor import run_checks
+
+    results = {r.name: r for r in run_checks(server.settings)}
+    assert results["models ready"].status == C.OK, results["models ready"]
+    assert results["warm-up TTFT"].status in (C.OK, C.WARN), results["warm-up TTFT"]
+    assert "to the first token" in results["warm-up TTFT"].detail
+    assert results["ports"].status == C.OK and "running Triton" in results["ports"].detail
