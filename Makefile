@@ -12,7 +12,7 @@ PROMPT ?= Explain in two sentences why prefill and decode want different hardwar
 MAX_TOKENS ?= 256
 PYTEST_ARGS ?=
 
-.PHONY: venv engine generate serve test test-unit lint bench compare clean
+.PHONY: venv engine generate serve cluster test test-unit lint bench compare clean
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ generate: engine
 # embedded tritonserver bound to 127.0.0.1 (settings: DISAGG_<SETTING>=..., or CONFIG=file.toml).
 serve: engine
 	$(PY) -m disagg serve $(if $(CONFIG),--config $(CONFIG),)
+
+# a frontend (gateway :9000, Triton :8000/8001), 2 prefill and 2 decode servers, as separate
+# processes on this machine (docs/scale-out.md); Ctrl-C stops them all
+cluster: engine
+	$(PY) -m disagg cluster $(if $(CONFIG),--config $(CONFIG),)
 
 # every test: unit, model (the real engine) and integration (real tritonserver processes)
 test: engine

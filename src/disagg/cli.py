@@ -5,6 +5,7 @@
     disagg gateway                 the OpenAI-compatible gateway alone, in front of a Triton
     disagg status                  a live view of a running server's pools and metrics
     disagg doctor                  check the machine and settings before filing a bug
+    disagg cluster                 frontend + 2 prefill + 2 decode servers here (make cluster)
     disagg bench run|compare|report   goodput benchmarks (client/benchmark.py)
 
 Each subcommand's options: `disagg <command> --help`.
@@ -27,6 +28,7 @@ DELEGATED = {
     "gateway": ("disagg.gateway.__main__", "run the OpenAI-compatible gateway alone"),
     "status": ("disagg.status", "watch a running server (pools, batch, KV, latency)"),
     "doctor": ("disagg.doctor", "check this machine and setup; what to fix for each failure"),
+    "cluster": ("disagg.serve.cluster", "a frontend, prefill and decode servers on this machine"),
     "bench": ("disagg.bench.cli", "goodput benchmarks: run, compare, report"),
 }
 

@@ -4,8 +4,9 @@ Defaults below, overridden by an optional TOML file, then by environment variabl
 DISAGG_<SETTING> (e.g. DISAGG_PREFILL_INSTANCES=2). Secrets are never settings: the admin key
 comes from DISAGG_ADMIN_KEY only.
 
-Settings come in groups (GROUPS: server, pools, tensorrt_llm, gateway, paths); a TOML file may
-set them at top level or in a table named by their group (`[pools] prefill_instances = 2`).
+Settings come in groups (GROUPS: server, pools, tensorrt_llm, cluster, gateway, paths); a TOML
+file may set them at top level or in a table named by their group (`[pools] prefill_instances =
+2`).
 Names stay flat and unique, so a setting has one name everywhere: here, in DISAGG_<SETTING>,
 and as the parameter of each model's config.pbtxt that carries it, which `ModelParams`
 parses with the same rules into the same type.
@@ -25,6 +26,7 @@ from disagg.contracts import MODES
 from disagg.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
+ROLES = ("all", "frontend", "prefill", "decode")
 ENV_PREFIX = "DISAGG_"
 
 
@@ -76,6 +78,22 @@ class ServeSettings:
     # "0,1" for tensor parallel 2; "" = whatever the server was started with
     trtllm_prefill_devices: str = ""
     trtllm_decode_devices: str = ""
+    # ---------------------------------------------------------------- cluster
+    # what this server runs: "all" (the whole pipeline), "frontend" (tokenizer, router,
+    # orchestrator, ensembles, gateway, and any pool not given as replicas below), "prefill"
+    # or "decode" (that pool alone, for frontends elsewhere); docs/scale-out.md
+    role: str = "all"
+    # a pool on other servers: their Triton gRPC addresses "host:port,host:port", or
+    # "dns:<name>:<port>" (every address the name resolves to, re-resolved every few
+    # seconds); "" = the pool runs in this server
+    prefill_replicas: str = ""
+    decode_replicas: str = ""
+    # times a request moves to another decode replica when its own fails mid-stream
+    migration_limit: int = 2
+    kv_port: int = 0  # where a prefill server serves KV payloads (0: any free port)
+    kv_lease_s: float = 30.0  # a payload no decode server pulled is freed after this
+    kv_lease_mb: int = 2048  # payload bytes one prefill process holds for pulling, at most
+    advertise_host: str = ""  # the address other servers reach this one at ("": host)
     # ---------------------------------------------------------------- gateway
     gateway_port: int = 9000  # the OpenAI-compatible API (binds `host` too)
     gateway_enabled: bool = True  # serve starts the gateway (compose runs it as its own service)
@@ -116,6 +134,8 @@ class ServeSettings:
             raise ConfigError(
                 f"setting engine_backend: pytorch or tensorrt_llm, not {self.engine_backend!r}"
             )
+        if self.role not in ROLES:
+            raise ConfigError(f"setting role must be one of {ROLES}, got {self.role!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"setting device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.engine_backend == "tensorrt_llm" and (
@@ -141,6 +161,12 @@ class ServeSettings:
                 f"refusing to serve the gateway on {self.host} with gateway_auth off: "
                 "anyone who can reach it could use it"
             )
+
+    @property
+    def kv_pull(self) -> bool:
+        """Whether this server's prefill leases its payloads for decode servers to pull
+        (kvnet.py) rather than returning the bytes: decode runs elsewhere."""
+        return self.role == "prefill" or bool(self.decode_replicas)
 
     @property
     def is_loopback(self) -> bool:
@@ -185,6 +211,7 @@ _GROUP_STARTS = {
     "host": "server",
     "mode": "pools",
     "trtllm_prefill_model": "tensorrt_llm",
+    "role": "cluster",
     "gateway_port": "gateway",
     "engine_dir": "paths",
 }
@@ -251,12 +278,18 @@ def template_values(s: ServeSettings, run_dir: Path) -> dict[str, str]:
         if getattr(s, model) and s.path(model).exists():  # else a Hugging Face hub name
             values[model] = str(s.path(model))
     values["run_dir"] = str(run_dir)
+    values["kv_pull"] = str(s.kv_pull).lower()
     return values
 
 
 # ------------------------------------------------------------------ inside the models
 # Parameters a model's config.pbtxt carries besides settings (filled by `disagg serve`).
-MODEL_ONLY_PARAMETERS = {"run_dir": "str", "prefill_model": "str", "decode_model": "str"}
+MODEL_ONLY_PARAMETERS = {
+    "run_dir": "str",
+    "prefill_model": "str",
+    "decode_model": "str",
+    "kv_pull": "bool",  # ServeSettings.kv_pull
+}
 _SETTING_TYPES = {f.name: f.type for f in fields(ServeSettings)}
 
 

@@ -8,12 +8,12 @@ import urllib.request
 from disagg.serve.server import free_ports
 
 
-def start_server(engine_dir, build_dir, **overrides):
-    from disagg.serve.server import TritonServer
+def server_settings(engine_dir, build_dir, **overrides):
+    """Test settings: free ports, small limits (sized for this machine beside a test run)."""
     from disagg.settings import ServeSettings
 
     http, grpc, metrics = free_ports(3)
-    settings = ServeSettings(
+    return ServeSettings(
         engine_dir=str(engine_dir),
         build_dir=str(build_dir),
         http_port=http,
@@ -23,6 +23,12 @@ def start_server(engine_dir, build_dir, **overrides):
         max_tokens_limit=512,
         **overrides,
     )
+
+
+def start_server(engine_dir, build_dir, **overrides):
+    from disagg.serve.server import TritonServer
+
+    settings = server_settings(engine_dir, build_dir, **overrides)
     server = TritonServer(settings, admin_key="test-admin-key")
     server.start()
     try:

@@ -12,7 +12,7 @@ from helpers.scripted import (
 )
 
 from disagg.config import EngineConfig
-from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, FALLBACK
+from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, FALLBACK, DecodeStep
 from disagg.errors import PoolError, RequestError
 from disagg.pipeline.orchestrator import (
     GenerateRequest,
@@ -218,3 +218,63 @@ def test_every_token_is_timed_once(tokenizer, args):
     assert events.names("first_token") == [("first_token", DISAGGREGATED)]
     assert len(events.names("token_gap")) == 4  # every token after the first
     assert events.names("finished") == [("finished", DISAGGREGATED, "length")]
+
+
+class FailingReplicas:
+    """Decode replicas that each fail after `fail_after` tokens (until `failures` run out):
+    a replica continues from the prompt plus every token already produced."""
+
+    def __init__(self, reply: list[int], fail_after: int, failures: int) -> None:
+        self.reply, self.fail_after, self.failures = reply, fail_after, failures
+        self.calls = []
+
+    def generate(self, request_id, params, *, handoff=None, prompt_ids=None):
+        self.calls.append((request_id, handoff, prompt_ids, params.max_tokens))
+        done = 1 if handoff is not None else len(prompt_ids) - self.prompt_len
+        yield DecodeStep([], None, 300 + len(self.calls))
+        for n, t in enumerate(self.reply[done:]):
+            if self.failures and n == self.fail_after:
+                self.failures -= 1
+                raise PoolError("decode at 10.0.0.9:8001: decode worker unreachable mid-request")
+            last = done + n == len(self.reply) - 1
+            yield DecodeStep([t], "length" if last else None, 300 + len(self.calls))
+
+    def cancel(self, request_id):
+        pass
+
+
+def migrating(tokenizer, args, text: str, fail_after: int, failures: int, limit: int):
+    ids = tokenizer.encode(text)
+    prompt = request(tokenizer, "Count", max_tokens=len(ids))
+    decode = FailingReplicas(ids, fail_after, failures)
+    decode.prompt_len = len(prompt.prompt_ids)
+    config = EngineConfig(max_model_len=2048)
+    o = Orchestrator(
+        tokenizer, args, config, ScriptedPrefill(ids[0]), decode, migration_limit=limit
+    )
+    return o, ids, prompt, decode
+
+
+def test_a_decode_replica_failing_mid_stream_moves_the_request_to_another(tokenizer, args):
+    text = " one two three four five six seven eight"
+    o, ids, prompt, decode = migrating(tokenizer, args, text, fail_after=3, failures=2, limit=2)
+    deltas = []
+    final = o.run(prompt, emit=lambda r: deltas.append(r.text))
+    # one stream, nothing repeated or lost: the same text as an undisturbed run
+    assert "".join(deltas) + final.text == text
+    assert final.token_ids == ids and final.finish_reason == "length"
+    (rid0, h0, p0, _), (rid1, h1, p1, left1), (rid2, _, p2, left2) = decode.calls
+    assert h0 is not None and p0 is None  # the first replica got the KV hand-off
+    assert h1 is None and p1 == prompt.prompt_ids + ids[:4]  # then prompt + tokens so far
+    assert left1 == len(ids) - 4 and p2 == prompt.prompt_ids + ids[:7] and left2 == 1
+    assert len({rid0, rid1, rid2}) == 3 and rid1.startswith(rid0 + ".")  # cancellable as one
+    assert final.decode_pid == 303
+
+
+def test_migration_gives_up_after_its_limit(tokenizer, args):
+    o, _, prompt, decode = migrating(
+        tokenizer, args, " a b c d e", fail_after=1, failures=5, limit=1
+    )
+    with pytest.raises(PoolError, match="unreachable"):
+        o.run(prompt, emit=lambda r: None)
+    assert len(decode.calls) == 2

@@ -164,9 +164,9 @@ def test_settings_come_in_groups_and_a_toml_table_per_group(tmp_path):
 
     names = [n for group in GROUPS.values() for n in group]
     assert sorted(names) == sorted(f.name for f in fields(ServeSettings))  # each in one group
-    assert set(GROUPS) == {"server", "pools", "tensorrt_llm", "gateway", "paths"}
+    assert set(GROUPS) == {"server", "pools", "tensorrt_llm", "cluster", "gateway", "paths"}
     toml = tmp_path / "s.toml"
-    toml.write_text('[pools]\nprefill_instances = 3\n[gateway]\ngateway_rpm = 5\n')
+    toml.write_text("[pools]\nprefill_instances = 3\n[gateway]\ngateway_rpm = 5\n")
     s = ServeSettings.load(toml, env={})
     assert (s.prefill_instances, s.gateway_rpm) == (3, 5)
     toml.write_text("[gateway]\nprefill_instances = 3\n")

@@ -38,11 +38,13 @@ class TritonPythonModel:
             self.tokenizer,
             load_model_args(p.engine_dir),
             p.engine_config("orchestrator"),
-            prefill_pool=pools.BlsPrefillPool(p.prefill_model, p.prefill_timeout_s),
-            decode_pool=pools.BlsDecodePool(p.decode_model, cancels),
+            prefill_pool=self._prefill_pool(p),
+            decode_pool=self._decode_pool(p, cancels),
             mode=p.mode,
             events=metrics,
             cost_model=CostModel(cost),
+            # a failed replica is replaced by another; a pool of this server is restarted
+            migration_limit=p.migration_limit if p.decode_replicas else 0,
         )
         self.runner = runner.RequestRunner(
             self.decoupled,
@@ -54,6 +56,22 @@ class TritonPythonModel:
             ),
             on_error=lambda kind: metrics.error("request", kind),
         )
+
+    @staticmethod
+    def _prefill_pool(p):
+        if p.prefill_replicas:  # on other servers, over gRPC
+            from disagg.remote.pools import GrpcPrefillPool
+
+            return GrpcPrefillPool(p.prefill_replicas, timeout_s=p.prefill_timeout_s)
+        return pools.BlsPrefillPool(p.prefill_model, p.prefill_timeout_s)
+
+    @staticmethod
+    def _decode_pool(p, cancels):
+        if p.decode_replicas:
+            from disagg.remote.pools import GrpcDecodePool
+
+            return GrpcDecodePool(p.decode_replicas)
+        return pools.BlsDecodePool(p.decode_model, cancels)
 
     def _parse(self, request):
         req = build_request(

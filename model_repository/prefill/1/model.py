@@ -39,6 +39,12 @@ class TritonPythonModel:
         # pages are faulted in once instead of once per long prompt.
         self.buffers: list[np.ndarray] = []
         self.engine.prefill("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=1))
+        # decode on other servers: payloads are leased here and pulled by them (kvnet.py)
+        self.kv = pools.KVLeaseServer.start(p, args) if p.kv_pull else None
+
+    def finalize(self):
+        if getattr(self, "kv", None) is not None:
+            self.kv.close()
 
     def execute(self, requests):
         return [self._prefill(r, i) for i, r in enumerate(requests)]
@@ -67,6 +73,8 @@ class TritonPythonModel:
             compute_us = int((time.perf_counter() - start) * 1e6)  # the hand-off starts here
             if self.trtllm is None:
                 payload = result.kv.pack(self._buffer(i, result.kv.packed_size()))
+                if self.kv is not None:
+                    payload = self.kv.lease(payload)
             return pools.prefill_response(result, payload, self.pid, compute_us, start_wall_ns)
         except Exception as e:
             return pb.error_response(e)

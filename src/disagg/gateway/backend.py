@@ -163,9 +163,7 @@ class TritonBackend:
                     num_input_tokens=_value(result, C.NUM_INPUT_TOKENS) or 0,
                     num_output_tokens=_value(result, C.NUM_OUTPUT_TOKENS) or 0,
                     finish_reason=_value(result, C.FINISH_REASON) or None,
-                    extra={
-                        k: v for k in C.ROUTER_EXTRAS if (v := _value(result, k)) is not None
-                    },
+                    extra={k: v for k in C.ROUTER_EXTRAS if (v := _value(result, k)) is not None},
                 )
                 params = result.get_response().parameters
                 final = params.get("triton_final_response")

@@ -127,4 +127,3 @@ class LocalDecodePool:
             sink = self._sinks.get(request_id)
         if sink is not None:
             sink.cancelled.set()
-

@@ -153,7 +153,11 @@ class Orchestrator:
         mode: str = DISAGGREGATED,
         events: OrchestratorEvents | None = None,
         cost_model: CostModel | None = None,
+        migration_limit: int = 0,
     ) -> None:
+        """`migration_limit`: how many times a request whose decode replica failed mid-stream
+        moves to another (which prefills the prompt plus the tokens already sent and goes on);
+        0 for a pool of this server, where a failed decode is restarted, not replaced."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.tokenizer = tokenizer
@@ -164,6 +168,7 @@ class Orchestrator:
         self.mode = mode
         self.events = events or OrchestratorEvents()
         self.cost_model = cost_model or CostModel()
+        self.migration_limit = migration_limit
         self.load = LoadTracker(on_change=self.events.load)
         self.eos = {tokenizer.eos_token_id} - {None}
 
@@ -189,10 +194,7 @@ class Orchestrator:
             self._add_tokens(req, out, text, [handoff.first_token], emit)
         self.load.add_decode(1)
         try:
-            finish = self._decode(req, out, text, handoff, timing, emit, is_cancelled)
-        except PoolError:
-            self.events.error("decode", "pool")
-            raise
+            finish = self._decode_migrating(req, out, text, handoff, timing, emit, is_cancelled)
         finally:
             self.load.add_decode(-1)
         tail = text.flush()
@@ -200,6 +202,37 @@ class Orchestrator:
         out.text = tail if req.stream else self._full_text(req, text)
         self.events.finished(out.served_by, finish, time.perf_counter() - req.arrival_s)
         return out
+
+    def _decode_migrating(self, req, out, text, handoff, timing, emit, is_cancelled) -> str:
+        """Decode, moving to another decode replica when one fails (up to migration_limit):
+        the next one prefills the prompt plus every token already produced and continues, so
+        the client's stream goes on with no text repeated or lost (greedy replies equal an
+        undisturbed run's). A KV payload that could not be pulled migrates the same way."""
+        current = req
+        for attempt in range(self.migration_limit + 1):
+            try:
+                return self._decode(current, out, text, handoff, timing, emit, is_cancelled)
+            except PoolError as e:
+                last = attempt == self.migration_limit
+                if last or is_cancelled() or text.stopped:
+                    self.events.error("decode", "pool")
+                    raise
+                left = req.params.max_tokens - out.num_output_tokens
+                if left <= 0:
+                    return FinishReason.LENGTH.value
+                log.warning(
+                    "request %s: %s; moving it to another decode replica after %d tokens",
+                    req.request_id, e, out.num_output_tokens,
+                )  # fmt: skip
+                self.events.error("decode", "migrated")
+                handoff = None
+                current = dataclasses.replace(
+                    req,
+                    request_id=C.child_request_id(req.request_id),
+                    prompt_ids=req.prompt_ids + out.token_ids,
+                    params=dataclasses.replace(req.params, max_tokens=left),
+                )
+        raise AssertionError("unreachable")
 
     def _decode(self, req, out, text, handoff, timing, emit, is_cancelled) -> str:
         steps = self.decode_pool.generate(

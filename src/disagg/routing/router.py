@@ -32,6 +32,8 @@ from disagg.routing.policy import (
 )
 
 log = logging.getLogger("disagg.router")
+
+
 @dataclass(frozen=True)
 class RouteRequest:
     request_id: str  # unique: the local pipeline's cancellation is addressed by it

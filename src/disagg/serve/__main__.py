@@ -8,13 +8,14 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 
 from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer
-from disagg.settings import ServeSettings
+from disagg.settings import ROLES, ServeSettings
 
 
 def first_api_key(settings: ServeSettings) -> str | None:
@@ -64,10 +65,20 @@ def restart_triton(server: TritonServer, crashes_this_hour: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="disagg serve", description=__doc__)
     p.add_argument("--config", help="TOML settings file (env DISAGG_<SETTING> overrides it)")
+    p.add_argument(
+        "--role",
+        choices=ROLES,
+        help="all (default): the whole pipeline; frontend: gateway, router, orchestrator and "
+        "the pools not set as replicas; prefill / decode: that pool alone (docs/scale-out.md)",
+    )
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         settings = ServeSettings.load(a.config)
+        if a.role:
+            settings = replace(settings, role=a.role)
+        if settings.role in ("prefill", "decode"):  # a pool server: clients go to the frontend
+            settings = replace(settings, gateway_enabled=False)
         server = TritonServer(settings)
         if not settings.is_loopback:
             print(
@@ -89,6 +100,15 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         return 2
     e = server.endpoints
+    if settings.role in ("prefill", "decode"):
+        print(f"disagg {settings.role} server: gRPC {e.grpc}, metrics {e.metrics}", flush=True)
+    else:
+        print_banner(settings, gateway, e)
+    _serve_banner_extras(settings, server, api_key)
+    return supervise(settings, server, gateway)
+
+
+def print_banner(settings, gateway, e) -> None:
     print(f"""
 disagg is serving {settings.engine_dir} ({settings.mode}: {settings.prefill_instances} prefill,
 {settings.decode_instances} decode instance(s))
@@ -108,6 +128,9 @@ Try:
     "Tell me a joke.", "apply_chat_template": true, "max_tokens": 64, "stream": true}}'
   .venv/bin/python client/disagg_client.py --chat "Tell me a joke."
 """)
+
+
+def _serve_banner_extras(settings, server, api_key) -> None:
     if api_key:
         print(
             f"API key for the gateway (shown once; only its hash is kept, in "
@@ -120,6 +143,10 @@ Try:
             "it is not stored anywhere)."
         )
     print("Ctrl-C to stop.", flush=True)
+
+
+def supervise(settings, server, gateway) -> int:
+    """Until Ctrl-C or SIGTERM: restart a gateway that exited, and tritonserver if it died."""
     stopping = False
 
     def on_signal(signum, frame):

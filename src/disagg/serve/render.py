@@ -73,8 +73,29 @@ def render_config(text: str, values: dict[str, str], where: str) -> str:
     return rendered
 
 
-def render_repositories(values: dict[str, str], out_dir: Path, root: Path = ROOT) -> list[Path]:
-    """Returns the rendered repository folders, one per source folder, for --model-repository."""
+FRONTEND_MODELS = frozenset({"tokenizer", "router", "orchestrator", "ensemble"})
+
+
+def role_models(role: str, prefill_replicas: str = "", decode_replicas: str = "") -> frozenset:
+    """The models a server of `role` runs (their sync twins go with them). A frontend runs a
+    pool itself unless that pool is given as replicas on other servers."""
+    if role == "prefill":
+        return frozenset({"prefill"})
+    if role == "decode":
+        return frozenset({"decode"})
+    local = {
+        pool
+        for pool, replicas in (("prefill", prefill_replicas), ("decode", decode_replicas))
+        if role == "all" or not replicas
+    }
+    return FRONTEND_MODELS | local
+
+
+def render_repositories(
+    values: dict[str, str], out_dir: Path, root: Path = ROOT, models: frozenset | None = None
+) -> list[Path]:
+    """Returns the rendered repository folders, one per source folder, for --model-repository;
+    with `models`, only those models (and their sync twins)."""
     repos = []
     for source in SOURCES:
         src_repo, dst_repo = root / source, out_dir / source
@@ -82,6 +103,8 @@ def render_repositories(values: dict[str, str], out_dir: Path, root: Path = ROOT
             shutil.rmtree(dst_repo)
         dst_repo.mkdir(parents=True)
         for model in sorted(p for p in src_repo.iterdir() if (p / "config.pbtxt").is_file()):
+            if models is not None and model.name not in models:
+                continue
             cfg = model / "config.pbtxt"
             text = render_config(cfg.read_text(), values, str(cfg.relative_to(root)))
             names = [model.name]

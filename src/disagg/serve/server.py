@@ -19,7 +19,7 @@ from pathlib import Path
 from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV, TOKEN_ENV
 from disagg.errors import ConfigError
 from disagg.serve import procargs, triton_install
-from disagg.serve.render import render_repositories
+from disagg.serve.render import render_repositories, role_models
 from disagg.serve.supervisor import StubSupervisor
 from disagg.settings import ROOT, ServeSettings, template_values
 
@@ -68,6 +68,20 @@ class Endpoints:
     http: str
     grpc: str
     metrics: str
+
+
+def internal_token(s: ServeSettings) -> str:
+    """One server makes its own; the servers of a cluster must share one (a frontend calls the
+    pools of the others, a decode server pulls KV from prefill servers with it)."""
+    shared = os.environ.get(TOKEN_ENV, "")
+    if s.role == "all" and not (s.prefill_replicas or s.decode_replicas):
+        return shared or secrets.token_hex(16)
+    if len(shared) < 16:
+        raise ConfigError(
+            f"role {s.role!r} (or remote pools) needs {TOKEN_ENV}: the same secret of 16+ "
+            "characters on every server of the deployment (e.g. openssl rand -hex 16)"
+        )
+    return shared
 
 
 class TritonServer:
@@ -125,11 +139,17 @@ class TritonServer:
         )
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self.run_dir.mkdir(parents=True)
-        repos = render_repositories(
-            template_values(self.settings, self.run_dir), self.build_dir / "repository"
-        )
+        models = role_models(s.role, s.prefill_replicas, s.decode_replicas)
+        repos = [
+            r
+            for r in render_repositories(
+                template_values(self.settings, self.run_dir), self.build_dir / "repository",
+                models=models,
+            )
+            if any(r.iterdir())  # a pool server has no ensembles
+        ]  # fmt: skip
         env = triton_install.server_env(install, [ROOT / "src"])
-        env[TOKEN_ENV] = secrets.token_hex(16)  # the internal models' token (contracts.py)
+        env[TOKEN_ENV] = internal_token(s)  # the internal models' token (contracts.py)
         self.log_file = self.log_path.open("w")
         self.proc = subprocess.Popen(
             self.command(install, repos),

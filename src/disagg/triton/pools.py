@@ -8,15 +8,18 @@ pool model and how it reads the answer, and what the pool model sends back.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as P
+from disagg import kvnet
 from disagg.cancel import CancelRegistry
 from disagg.contracts import DecodeStep, Handoff, RoutedReply
 from disagg.errors import KVPayloadError, PoolError, RequestError
+from disagg.kvnet import KVLeases, KVRef, KVServer
 from disagg.pipeline.local import prefill_result
 from disagg.sequence import SamplingParams
 from disagg.triton.bls import BLS_PARAMETERS, CallerWatch, bls_stream, failure_response
@@ -174,6 +177,41 @@ class SenderSink:
         return self.caller.gone() or self.sender.is_cancelled()
 
 
+class KVLeaseServer:
+    """A prefill process's payloads for decode servers elsewhere: leased, served on a TCP
+    port, answered with a reference (kvnet.py)."""
+
+    def __init__(self, server: KVServer, advertise: str) -> None:
+        self.server = server
+        self.advertise = advertise
+
+    @classmethod
+    def start(cls, p, args) -> KVLeaseServer:
+        # instance i of the pool takes kv_port + i (0: any free port, named in the reference)
+        tail = str(args.get("model_instance_name", "")).rsplit("_", 1)[-1]  # prefill_0_<i>
+        index = int(tail) if tail.isdigit() else 0
+        port = p.kv_port + index if p.kv_port else 0
+        leases = KVLeases(capacity_bytes=p.kv_lease_mb << 20, ttl_s=p.kv_lease_s)
+        server = KVServer(leases, os.environ.get(P.TOKEN_ENV, ""), p.host, port).start()
+        return cls(server, server.address(p.advertise_host or kvnet.advertise_host(p.host)))
+
+    def lease(self, payload: np.ndarray) -> np.ndarray:
+        handle = self.server.leases.put(payload)
+        ref = KVRef(self.advertise, handle, payload.nbytes)
+        return np.frombuffer(ref.to_bytes(), np.uint8)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def resolve_kv_reference(data, timeout_s: float = 30.0):
+    """A payload's bytes: `data` itself, or pulled from the prefill server it names."""
+    ref = KVRef.parse(data)
+    if ref is None:
+        return data
+    return kvnet.pull(ref, os.environ.get(P.TOKEN_ENV, ""), timeout_s).data
+
+
 def read_kv_handoff(request, request_id: str):
     """The decode model's view of an orchestrator request: (PrefillResult | None, prompt ids)."""
     payload = input_array(request, P.KV_PAYLOAD)
@@ -187,6 +225,7 @@ def read_kv_handoff(request, request_id: str):
     if first is None or seed is None:
         raise KVPayloadError(f"{P.KV_PAYLOAD} needs {P.FIRST_TOKEN} and {P.RESOLVED_SEED}")
     data = payload.tobytes() if not payload.flags.c_contiguous else payload.data
+    data = resolve_kv_reference(data)  # decode on another server than its prefill
     first_token, resolved = int(first.reshape(-1)[0]), int(seed.reshape(-1)[0])
     return prefill_result(request_id, first_token, resolved, data), None
 

@@ -1,0 +1,158 @@
+"""A pool's replicas on other servers: who they are, which to use next, which to leave out.
+
+Replicas come from a setting, either a list of gRPC addresses or a DNS name that resolves to
+many (a Kubernetes headless Service), re-resolved every `resolve_s`:
+
+    "10.0.0.5:8001,10.0.0.6:8001"      fixed replicas
+    "dns:prefill.disagg.svc:8001"      every address the name has, now and later
+
+No coordinator (etcd, NATS) is involved. A replica is chosen by load: the fewest requests
+this frontend has outstanding on it, ties broken in turn. One that fails a connection is
+ejected for `eject_s` and is only readmitted once its health probe (Triton's model-ready)
+passes; a new address joins once its probe passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from disagg.errors import ConfigError
+
+log = logging.getLogger("disagg.remote")
+
+
+@dataclass
+class Replica:
+    address: str  # host:port of the server's Triton gRPC endpoint
+    outstanding: int = 0
+    ejected_until: float = 0.0  # 0: in rotation
+    probed: bool = False  # a new replica takes traffic after its first passing probe
+    requests: int = 0
+    failures: int = 0
+    ejections: int = 0
+    order: int = field(default=0, compare=False)
+
+
+def parse_spec(spec: str) -> tuple[list[str], tuple[str, int] | None]:
+    """(fixed addresses, (dns name, port) or None)."""
+    spec = spec.strip()
+    if spec.startswith("dns:"):
+        name, _, port = spec[4:].rpartition(":")
+        if not name or not port.isdigit():
+            raise ConfigError(f"replica list {spec!r}: expected dns:<name>:<port>")
+        return [], (name, int(port))
+    addresses = [a.strip() for a in spec.split(",") if a.strip()]
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"replica {a!r}: expected host:port")
+    return addresses, None
+
+
+def resolve(name: str, port: int) -> list[str]:
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    hosts = sorted({info[4][0] for info in infos})
+    return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
+
+
+class ReplicaSet:
+    def __init__(
+        self,
+        spec: str,
+        probe: Callable[[str], bool],
+        resolve_s: float = 5.0,
+        eject_s: float = 2.0,
+        resolver: Callable[[str, int], list[str]] = resolve,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fixed, self.dns = parse_spec(spec)
+        self.probe = probe
+        self.resolve_s = resolve_s
+        self.eject_s = eject_s
+        self.resolver = resolver
+        self.clock = clock
+        self._replicas: dict[str, Replica] = {}
+        self._lock = threading.Lock()
+        self._turn = itertools.count()
+        self._next_resolve = 0.0
+        self._refresh(self.fixed)
+
+    def __bool__(self) -> bool:
+        return bool(self.fixed or self.dns)
+
+    @property
+    def replicas(self) -> list[Replica]:
+        with self._lock:
+            return list(self._replicas.values())
+
+    def _refresh(self, addresses: list[str]) -> None:
+        with self._lock:
+            for a in addresses:
+                if a not in self._replicas:
+                    self._replicas[a] = Replica(a, order=len(self._replicas))
+                    log.info("replica %s found", a)
+            for a in set(self._replicas) - set(addresses):
+                log.info("replica %s is gone from %s", a, self.dns or self.fixed)
+                del self._replicas[a]
+
+    def _maybe_resolve(self, now: float) -> None:
+        if self.dns is None or now < self._next_resolve:
+            return
+        self._next_resolve = now + self.resolve_s
+        try:
+            self._refresh(self.resolver(*self.dns))
+        except OSError as e:  # keep what we had; DNS may come back
+            log.warning("resolving %s failed: %s", self.dns[0], e)
+
+    def _usable(self, r: Replica, now: float) -> bool:
+        if r.probed and r.ejected_until == 0.0:
+            return True
+        if r.ejected_until and now < r.ejected_until:
+            return False
+        healthy = self.probe(r.address)
+        with self._lock:
+            if healthy:
+                if r.ejected_until:
+                    log.warning("replica %s is back in rotation", r.address)
+                r.probed, r.ejected_until = True, 0.0
+            else:
+                r.ejected_until = now + self.eject_s
+        return healthy
+
+    def choose(self, exclude: set[str] = frozenset()) -> Replica | None:
+        """The least loaded usable replica not in `exclude`, or None."""
+        now = self.clock()
+        self._maybe_resolve(now)
+        candidates = [r for r in self.replicas if r.address not in exclude and self._usable(r, now)]
+        if not candidates:
+            return None
+        turn = next(self._turn)
+        n = len(candidates)
+        return min(candidates, key=lambda r: (r.outstanding, (r.order - turn) % n))
+
+    def eject(self, replica: Replica, why: str) -> None:
+        with self._lock:
+            replica.failures += 1
+            if replica.ejected_until == 0.0:
+                replica.ejections += 1
+                log.warning("replica %s out of rotation for %.0f s: %s", replica.address,
+                            self.eject_s, why)  # fmt: skip
+            replica.ejected_until = self.clock() + self.eject_s
+
+    @contextlib.contextmanager
+    def using(self, replica: Replica) -> Iterator[Replica]:
+        with self._lock:
+            replica.outstanding += 1
+            replica.requests += 1
+        try:
+            yield replica
+        finally:
+            with self._lock:
+                replica.outstanding -= 1

@@ -1,0 +1,217 @@
+"""Pools on separate servers: real tritonserver processes, each with its own ports and process
+group, stand for the nodes (a frontend, 2 prefill and 2 decode servers). KV payloads go from
+a prefill server to a decode server over TCP (kvnet), never through the frontend. Each fault
+test counts what every affected request got: completed, a clear error, or nothing (hung)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from helpers.triton_server import server_settings
+
+from disagg.client import GenerateError, HttpClient
+from disagg.contracts import TOKEN_ENV
+from disagg.sequence import SamplingParams
+from disagg.serve.server import TritonServer
+from disagg.serve.supervisor import stub_processes
+
+pytestmark = pytest.mark.integration
+PROMPTS = ["What is the capital of France?", "List three prime numbers.", "Say hello in French."]
+HUNG_S = 90
+
+
+@pytest.fixture(scope="module")
+def cluster(engine_dir, tmp_path_factory):
+    saved = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = "cluster-test-token-0123456789"
+    tmp = tmp_path_factory.mktemp("cluster")
+    servers: dict[str, TritonServer] = {}
+    try:
+        for role in ("prefill", "decode"):
+            for i in range(2):
+                s = server_settings(engine_dir, tmp / f"{role}{i}", role=role)
+                servers[f"{role}{i}"] = TritonServer(s, admin_key="k").start()
+        for server in servers.values():
+            server.wait_ready(timeout_s=240)
+        replicas = {
+            role: ",".join(servers[f"{role}{i}"].endpoints.grpc for i in range(2))
+            for role in ("prefill", "decode")
+        }
+        front = server_settings(
+            engine_dir,
+            tmp / "frontend",
+            role="frontend",
+            prefill_replicas=replicas["prefill"],
+            decode_replicas=replicas["decode"],
+        )
+        servers["frontend"] = TritonServer(front, admin_key="k").start()
+        servers["frontend"].wait_ready(timeout_s=240)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
+        if saved is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = saved
+
+
+def http(cluster) -> HttpClient:
+    return HttpClient(cluster["frontend"].endpoints.http, timeout_s=HUNG_S)
+
+
+def chat(prompt: str, max_tokens: int = 32) -> dict:
+    return {
+        "text_input": prompt,
+        "apply_chat_template": True,
+        "max_tokens": max_tokens,
+        "exclude_input_in_output": True,
+    }
+
+
+def stubs_of(server: TritonServer, model: str) -> set[int]:
+    return {pid for pid, (m, _) in stub_processes(server.proc.pid).items() if m == model}
+
+
+def test_each_server_runs_only_its_role(cluster):
+    assert stubs_of(cluster["prefill0"], "prefill") and not stubs_of(cluster["prefill0"], "decode")
+    assert stubs_of(cluster["decode0"], "decode") and not stubs_of(cluster["decode0"], "router")
+    front = cluster["frontend"]
+    assert stubs_of(front, "router") and stubs_of(front, "orchestrator")
+    assert not stubs_of(front, "prefill") and not stubs_of(front, "decode")
+
+
+def test_greedy_replies_equal_the_single_process_engine(cluster, llm):
+    for prompt in PROMPTS[:2]:
+        (ref,) = llm.generate([prompt], SamplingParams(max_tokens=32))
+        r = http(cluster).generate("router", chat(prompt))
+        assert r.text == ref.text and r.num_output_tokens == len(ref.token_ids)
+        assert r.extra["served_by"] == "disaggregated"
+
+
+def test_kv_bytes_go_from_prefill_to_decode_not_through_the_frontend(cluster):
+    r = http(cluster).generate("orchestrator", {"input_ids": list(range(1, 300)), "max_tokens": 4})
+    # the frontend forwarded only a reference: the payload itself is ~13.8 MB for 299 tokens
+    assert 0 < r.extra["kv_bytes"] < 1024
+    prefill_pids = set().union(*(stubs_of(cluster[f"prefill{i}"], "prefill") for i in (0, 1)))
+    decode_pids = set().union(*(stubs_of(cluster[f"decode{i}"], "decode") for i in (0, 1)))
+    assert r.extra["prefill_pid"] in prefill_pids and r.extra["decode_pid"] in decode_pids
+    assert r.num_output_tokens == 4
+
+
+def test_load_spreads_over_the_replicas(cluster):
+    results, threads = [], []
+    for i in range(6):
+        body = {"input_ids": [1 + i, 2, 3, 4], "max_tokens": 24, "ignore_eos": True}
+        t = threading.Thread(
+            target=lambda b=body: results.append(http(cluster).generate("orchestrator", b))
+        )
+        threads.append(t)
+        t.start()
+    for t in threads:
+        t.join(HUNG_S)
+    assert len(results) == 6
+    assert len({r.extra["decode_pid"] for r in results}) == 2  # both decode servers
+    assert len({r.extra["prefill_pid"] for r in results}) == 2
+
+
+def _serving_decode_server(cluster) -> str:
+    """The decode server with a sequence in its engine now."""
+    from helpers.triton_server import metric
+
+    for name in ("decode0", "decode1"):
+        server = cluster[name]
+        if server.proc.poll() is None and metric(server, "disagg_decode_active_sequences") > 0:
+            return name
+    raise AssertionError("no decode server is decoding")
+
+
+def test_a_decode_server_killed_mid_stream_moves_the_stream_to_the_other(cluster, llm):
+    """The client sees one stream: no text repeated or missing, and the greedy reply of an
+    undisturbed run."""
+    prompt, n = "Write a long story about a dragon.", 96
+    (ref,) = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
+    deltas, killed = [], []
+
+    def on_delta(d):
+        deltas.append(d)
+        if len(deltas) == 12 and not killed:
+            name = _serving_decode_server(cluster)
+            killed.append(name)
+            os.killpg(cluster[name].proc.pid, signal.SIGKILL)
+
+    body = {**chat(prompt, n), "ignore_eos": True}
+    r = http(cluster).generate("router", body, stream=True, on_delta=on_delta)
+    assert killed, "the stream ended before the fault"
+    cluster[killed[0]].proc.wait(timeout=30)
+    assert r.num_output_tokens == n and r.finish_reason == "length"
+    assert "".join(deltas) == r.text == ref.text
+    # the survivor serves what comes next
+    again = http(cluster).generate("orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 4})
+    assert again.num_output_tokens == 4
+
+
+class Outcomes:
+    def __init__(self) -> None:
+        self.got: dict[str, str] = {}
+
+    def run(self, name: str, call) -> None:
+        try:
+            r = call()
+            self.got[name] = "completed" if r.num_output_tokens > 0 else f"empty {r}"
+        except GenerateError as e:
+            self.got[name] = f"error: {e}"
+
+    def counts(self, names) -> dict:
+        c = {"completed": 0, "error": 0, "hung": 0}
+        for n in names:
+            v = self.got.get(n)
+            c["hung" if v is None else "completed" if v == "completed" else "error"] += 1
+        return c
+
+
+def _kill(server: TritonServer) -> None:
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=30)
+
+
+def _under_load(cluster, n: int, fault) -> Outcomes:
+    out = Outcomes()
+    threads = []
+    for i in range(n):
+        body = {"input_ids": [5 + i] * 200, "max_tokens": 48, "ignore_eos": True}
+        t = threading.Thread(
+            target=out.run,
+            args=(f"r{i}", lambda b=body: http(cluster).generate("orchestrator", b)),
+        )
+        threads.append(t)
+        t.start()
+        time.sleep(0.05)
+    fault()
+    for t in threads:
+        t.join(HUNG_S)
+    return out
+
+
+def test_a_prefill_server_killed_under_load_costs_no_request(cluster):
+    out = _under_load(cluster, 6, lambda: _kill(cluster["prefill1"]))
+    assert out.counts([f"r{i}" for i in range(6)]) == {"completed": 6, "error": 0, "hung": 0}, (
+        out.got
+    )
+    r = http(cluster).generate("orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 4})
+    assert r.extra["served_by"] == "disaggregated"  # the other prefill server
+
+
+def test_with_the_whole_prefill_pool_gone_decode_serves_co_located(cluster, llm):
+    _kill(cluster["prefill0"])  # prefill1 died in the test before
+    out = _under_load(cluster, 4, lambda: None)
+    assert out.counts([f"r{i}" for i in range(4)]) == {"completed": 4, "error": 0, "hung": 0}, (
+        out.got
+    )
+    (ref,) = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=32))
+    r = http(cluster).generate("router", chat(PROMPTS[2]))
+    assert r.extra["served_by"] == "fallback" and r.text == ref.text
