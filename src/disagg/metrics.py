@@ -87,15 +87,16 @@ PREFILL = _m(
 KV_BYTES = _m(
     "disagg_kv_handoff_bytes",
     HISTOGRAM,
-    "Size of the KV payload handed from prefill to decode",
-    ("model",),
+    "Size of the KV payload handed from prefill to decode, by path (shm: within one server; "
+    "network: pulled by a decode server from a prefill server; trtllm: TensorRT-LLM's own)",
+    ("model", "path"),
     KV_BYTES_BUCKETS,
 )
 KV_SECONDS = _m(
     "disagg_kv_handoff_seconds",
     HISTOGRAM,
-    "KV hand-off time: serialise, transfer, verify and import into decode",
-    ("model",),
+    "KV hand-off time: serialise, transfer, verify and import into decode, by path",
+    ("model", "path"),
     KV_SECONDS_BUCKETS,
 )
 DECISIONS = _m(
@@ -109,6 +110,32 @@ PREFILL_QUEUE_TOKENS = _m(
     GAUGE,
     "Prompt tokens the orchestrator has sent to the prefill pool and not yet got back",
     ("model",),
+)
+
+# ------------------------------------------------------------------ remote pools (orchestrator)
+REPLICA_REQUESTS = _m(
+    "disagg_replica_requests_total",
+    COUNTER,
+    "Requests this frontend sent to each replica of a remote pool",
+    ("pool", "replica"),
+)
+REPLICA_OUTSTANDING = _m(
+    "disagg_replica_outstanding_requests",
+    GAUGE,
+    "Requests this frontend has in flight on each replica (what replicas are chosen by)",
+    ("pool", "replica"),
+)
+REPLICA_EJECTIONS = _m(
+    "disagg_replica_ejections_total",
+    COUNTER,
+    "Times a replica left rotation after a failed connection",
+    ("pool", "replica"),
+)
+REPLICA_UP = _m(
+    "disagg_replica_up",
+    GAUGE,
+    "1 while a replica is in rotation, 0 while it is ejected",
+    ("pool", "replica"),
 )
 
 # ------------------------------------------------------------------ decode pool (Triton)

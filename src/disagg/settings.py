@@ -42,7 +42,13 @@ class ServeSettings:
     # a model whose stub died and that is not READY again this long after its reload began is
     # given up on: the whole tritonserver is restarted (see serve/supervisor.py)
     recover_timeout_s: float = 60.0
+    # on SIGTERM, in-flight requests get this long to finish before the server exits (new
+    # ones are refused at once); keep it under Kubernetes' terminationGracePeriodSeconds
+    drain_s: float = 10.0
     log_verbose: int = 0
+    # the CPU cores tritonserver and every model process of it run on ("0", "2-3", "0,2");
+    # "" = all: how `disagg bench cluster` gives each node of a topology its own core
+    cpus: str = ""
     # ---------------------------------------------------------------- pools
     # "disaggregated": every prompt through the prefill pool; "colocated": decode prefills its
     # own requests; "conditional": the orchestrator's cost model picks per request
@@ -134,6 +140,7 @@ class ServeSettings:
             raise ConfigError(
                 f"setting engine_backend: pytorch or tensorrt_llm, not {self.engine_backend!r}"
             )
+        parse_cpus(self.cpus)
         if self.role not in ROLES:
             raise ConfigError(f"setting role must be one of {ROLES}, got {self.role!r}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -205,6 +212,17 @@ class ServeSettings:
         for name, value in list(values.items()):
             values[name] = _coerce(name, known[name].type, value)
         return replace(cls(), **values)
+
+
+def parse_cpus(text: str) -> set[int]:
+    """ "0,2-3" -> {0, 2, 3}; "" -> set() (no pinning)."""
+    out: set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ConfigError(f"setting cpus: core numbers like 0, 0-1 or 0,2; got {text!r}")
+        out |= set(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 _GROUP_STARTS = {

@@ -129,6 +129,41 @@ def render(before: list[Sample], now: list[Sample], seconds: float, gateway=None
         n = max(d.values(), default=0.0)
         qs = " ".join(_ms(quantile(q, d)) + " " for q in (0.5, 0.9, 0.99))
         lines.append(f"  {label:<13}{qs} {n / seconds:7.1f}")
+    paths = sorted({s.label("path") for s in now if s.name == "disagg_kv_handoff_bytes_count"})
+    if paths and paths != [""]:
+        lines += ["", "KV hand-off by path   per s    MB/s   p50 ms"]
+        for path in paths:
+            n = total(now, "disagg_kv_handoff_bytes_count", path=path) - total(
+                before, "disagg_kv_handoff_bytes_count", path=path
+            )
+            mb = total(now, "disagg_kv_handoff_bytes_sum", path=path) - total(
+                before, "disagg_kv_handoff_bytes_sum", path=path
+            )
+            d = delta(
+                buckets([x for x in now if x.label("path") == path], "disagg_kv_handoff_seconds"),
+                buckets(
+                    [x for x in before if x.label("path") == path], "disagg_kv_handoff_seconds"
+                ),
+            )
+            lines.append(
+                f"  {path:<18}{n / seconds:7.1f} {mb / 1e6 / seconds:7.1f}  {_ms(quantile(0.5, d))}"
+            )
+    replicas = sorted(
+        (s.label("pool"), s.label("replica"), s.value) for s in now if s.name == "disagg_replica_up"
+    )
+    if replicas:
+        lines += ["", "replicas              up  in flight  requests/s  ejections"]
+        for pool, replica, up in replicas:
+            labels = {"pool": pool, "replica": replica}
+            rate = total(now, "disagg_replica_requests_total", **labels) - total(
+                before, "disagg_replica_requests_total", **labels
+            )
+            lines.append(
+                f"  {pool[:7]:<7} {replica:<21} {'yes' if up else 'NO ':<4}"
+                f"{total(now, 'disagg_replica_outstanding_requests', **labels):6.0f}"
+                f"{rate / seconds:12.1f}"
+                f"{total(now, 'disagg_replica_ejections_total', **labels):10.0f}"
+            )
     decisions = [s for s in now if s.name == "disagg_conditional_decisions_total"]
     if decisions:
         lines += ["", "conditional prefill decisions (total)"]

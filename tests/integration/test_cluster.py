@@ -119,6 +119,29 @@ def test_load_spreads_over_the_replicas(cluster):
     assert len({r.extra["prefill_pid"] for r in results}) == 2
 
 
+def test_replicas_and_the_network_path_show_in_metrics_and_status(cluster):
+    from helpers.triton_server import eventually, metric
+
+    from disagg import status
+
+    front = cluster["frontend"]
+
+    def counted():
+        assert metric(front, "disagg_replica_requests_total", pool="decode") >= 6
+        assert metric(front, "disagg_replica_up", pool="prefill") == 2
+        assert metric(front, "disagg_kv_handoff_bytes_count", path="network") >= 6
+        assert metric(front, "disagg_kv_handoff_bytes_count", path="shm") == 0
+
+    eventually(counted, timeout_s=10)  # refreshed every 2 s
+    # the bytes counted are the payloads decode pulled (MBs), not the references (< 1 KB)
+    moved = metric(front, "disagg_kv_handoff_bytes_sum", path="network")
+    assert moved / metric(front, "disagg_kv_handoff_bytes_count", path="network") > 100_000
+    now = status.scrape(front.endpoints.metrics)
+    frame = status.render(now, now, 1.0)
+    assert "replicas" in frame and cluster["decode1"].endpoints.grpc in frame
+    assert "network" in frame
+
+
 def _serving_decode_server(cluster) -> str:
     """The decode server with a sequence in its engine now."""
     from helpers.triton_server import metric

@@ -3,6 +3,7 @@ a stub tokenizer: no weights, no processes (tests/helpers/scripted.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from helpers.scripted import (
     ScriptedDecode,
@@ -175,7 +176,7 @@ class Recorder(OrchestratorEvents):
     def finished(self, served_by, finish_reason, e2e_s):
         self.calls.append(("finished", served_by, finish_reason))
 
-    def kv_handoff(self, num_bytes, seconds):
+    def kv_handoff(self, num_bytes, seconds, path):
         self.calls.append(("kv_handoff", num_bytes))
 
     def decision(self, remote, reason):
@@ -278,3 +279,15 @@ def test_migration_gives_up_after_its_limit(tokenizer, args):
     with pytest.raises(PoolError, match="unreachable"):
         o.run(prompt, emit=lambda r: None)
     assert len(decode.calls) == 2
+
+
+def test_the_kv_path_is_told_from_the_payload():
+    from disagg.kvnet import KVRef
+    from disagg.pipeline.orchestrator import kv_path
+    from disagg.trtllm.payload import TrtllmHandoff, to_bytes
+
+    ref = np.frombuffer(KVRef("10.0.0.5:8105", "ab" * 16, 13_800_000).to_bytes(), np.uint8)
+    assert kv_path(ref) == ("network", 13_800_000)  # the bytes pulled, not the reference's
+    trt = np.frombuffer(to_bytes(TrtllmHandoff([1, 2], 3, {"ctx_request_id": 9})), np.uint8)
+    assert kv_path(trt)[0] == "trtllm"
+    assert kv_path(np.zeros(4096, np.uint8)) == ("shm", 4096)

@@ -46,6 +46,12 @@ class TritonPythonModel:
             # a failed replica is replaced by another; a pool of this server is restarted
             migration_limit=p.migration_limit if p.decode_replicas else 0,
         )
+        self.replica_metrics = pb_metrics.ReplicaMetrics(
+            {
+                pool: getattr(getattr(self.orchestrator, f"{pool}_pool"), "replicas", None)
+                for pool in ("prefill", "decode")
+            }
+        )
         self.runner = runner.RequestRunner(
             self.decoupled,
             p.orchestrator_max_concurrency,
@@ -87,6 +93,7 @@ class TritonPythonModel:
         return self.runner.execute(requests)
 
     def finalize(self):
+        self.replica_metrics.stop()
         self.runner.shutdown()
         bls.FINISHED_STREAMS.clear()  # before the stub exits, as below
         pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)

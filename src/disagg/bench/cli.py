@@ -1,6 +1,7 @@
 """Command line of the benchmark harness: `disagg bench` (client/benchmark.py is the same).
 
 run      one workload's rate sweep against a running server (Triton gRPC or the gateway)
+cluster  the same on separate servers, a core per node (disagg.bench.topology)
 compare  co-located vs disaggregated vs conditional: for each workload, a server per mode
          (same settings, same cores), the same seeded requests; writes results, plots and
          the docs/benchmarks.md section
@@ -129,7 +130,7 @@ def _server_counts(metrics_url: str) -> dict:
     return out
 
 
-def cmd_report(args) -> int:
+def cmd_report(args, markers=(DOC_BEGIN, DOC_END), image_prefix: str = "modes") -> int:
     out_dir, img_dir = Path(args.out_dir), Path(args.img_dir)
     img_dir.mkdir(parents=True, exist_ok=True)
     sections = []
@@ -146,7 +147,7 @@ def cmd_report(args) -> int:
             R.parse_slo_overrides(args.slo),
         )  # fmt: skip
         results = {m: R.summarize_sweep(s, slo) for m, s in sweeps.items()}
-        png = img_dir / f"modes-{workload}.png"
+        png = img_dir / f"{image_prefix}-{workload}.png"
         R.plot_workload(workload, sweeps, results, slo, png)
         table = R.markdown_table(workload, results, slo)
         counts = {m: s["server"] for m, s in sweeps.items() if s.get("server")}
@@ -168,20 +169,21 @@ def cmd_report(args) -> int:
         sections.append(f"{table}\n![{workload}]({rel})\n")
     if args.doc and sections:
         command = next(iter(sweeps.values())).get("command", "")
-        _write_doc(Path(args.doc), sections, command)
+        _write_doc(Path(args.doc), sections, command, markers)
         print(f"updated {args.doc}")
     return 0
 
 
-def _write_doc(doc: Path, sections: list[str], command: str) -> None:
+def _write_doc(doc: Path, sections: list[str], command: str, markers=(DOC_BEGIN, DOC_END)):
+    begin, end = markers
     body = (
-        f"{DOC_BEGIN}\nTables and plots drawn {time.strftime('%Y-%m-%d %H:%M')} from the "
-        f"results of:\n\n```\n{command}\n```\n\n" + "\n".join(sections) + f"{DOC_END}"
+        f"{begin}\nTables and plots drawn {time.strftime('%Y-%m-%d %H:%M')} from the "
+        f"results of:\n\n```\n{command}\n```\n\n" + "\n".join(sections) + f"{end}"
     )
     text = doc.read_text() if doc.exists() else ""
-    if DOC_BEGIN in text and DOC_END in text:
-        head, rest = text.split(DOC_BEGIN, 1)
-        text = head + body + rest.split(DOC_END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + body + rest.split(end, 1)[1]
     else:
         text += "\n" + body + "\n"
     doc.write_text(text)
@@ -233,6 +235,16 @@ def parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--config", help="serve settings TOML (mode and ports are set here)")
     cmp_.add_argument("--model", default="router", help="the entry model requests go to")
     cmp_.set_defaults(func=cmd_compare, target="triton", url="")
+
+    from disagg.bench.topology import TOPOLOGIES, cmd_cluster
+
+    clu = sub.add_parser("cluster", help="topologies with a core per node (colocated 2x1, "
+                         "disaggregated 1+1, conditional 1+1)")  # fmt: skip
+    common(clu, many=True)
+    clu.set_defaults(modes=",".join(TOPOLOGIES), out_dir="results/topologies")
+    clu.add_argument("--config", help="serve settings TOML every node starts from")
+    clu.add_argument("--model", default="router", help="the entry model requests go to")
+    clu.set_defaults(func=cmd_cluster, target="triton", url="")
 
     rep = sub.add_parser("report", help="tables and plots from saved compare results")
     common(rep, many=True)

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from disagg import contracts as C
 from disagg.config import EngineConfig, ModelArgs
 from disagg.contracts import (
@@ -85,7 +87,7 @@ class OrchestratorEvents:
 
     def prefill(self, queue_s: float, compute_s: float) -> None: ...
 
-    def kv_handoff(self, num_bytes: int, seconds: float) -> None: ...
+    def kv_handoff(self, num_bytes: int, seconds: float, path: str) -> None: ...
 
     def decision(self, remote: bool, reason: str) -> None: ...
 
@@ -98,6 +100,22 @@ class OrchestratorEvents:
 class _Timing:
     arrival_s: float
     last_token_s: float | None = None
+
+
+def kv_path(payload) -> tuple[str, int]:
+    """(path, payload bytes moved) of a hand-off: "network" for a reference a decode server
+    pulls from a prefill server (the bytes it names), "trtllm" for TensorRT-LLM's parameters
+    (its transceiver moves the cache), "shm" for a payload passed within one server."""
+    from disagg.kvnet import KVRef
+    from disagg.trtllm.payload import is_trtllm_payload
+
+    data = memoryview(np.ascontiguousarray(payload, np.uint8).reshape(-1))
+    ref = KVRef.parse(data)
+    if ref is not None:
+        return "network", ref.nbytes
+    if is_trtllm_payload(data):
+        return "trtllm", data.nbytes
+    return "shm", data.nbytes
 
 
 def build_request(
@@ -292,11 +310,12 @@ class Orchestrator:
 
     def _handoff_done(self, req, out: Reply, handoff: Handoff, accept_s: float) -> None:
         # prefill side: call time less queue and compute; decode side: send -> payload accepted
-        out.kv_bytes = int(handoff.kv_payload.nbytes)
+        out.kv_bytes = int(handoff.kv_payload.nbytes)  # what passed through here
         out.kv_handoff_s = max(
             handoff.call_time_s - handoff.queue_s - handoff.prefill_time_s + accept_s, 0.0
         )
-        self.events.kv_handoff(out.kv_bytes, out.kv_handoff_s)
+        path, moved = kv_path(handoff.kv_payload)
+        self.events.kv_handoff(moved, out.kv_handoff_s, path)
         self.cost_model.observe_handoff(len(req.prompt_ids), out.kv_handoff_s)
 
     def _prefill(self, req: GenerateRequest, out: Reply) -> Handoff | None:

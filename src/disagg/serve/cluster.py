@@ -27,7 +27,7 @@ from pathlib import Path
 from disagg.contracts import ADMIN_KEY_ENV, TOKEN_ENV
 from disagg.settings import ServeSettings
 
-POOL_BASE_PORT = {"prefill": 8100, "decode": 8200}
+BASE_PORT = 8100  # prefill servers from here, decode servers 100 higher, ten apart
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,14 @@ class Node:
         return f"{self.env.get('DISAGG_HOST', '127.0.0.1')}:{self.env['DISAGG_GRPC_PORT']}"
 
 
-def plan(settings: ServeSettings, prefill: int, decode: int, build_dir: Path) -> list[Node]:
+def plan(
+    settings: ServeSettings, prefill: int, decode: int, build_dir: Path, base_port: int = BASE_PORT
+) -> list[Node]:
     """The nodes of the topology, pools first, the frontend last."""
     nodes = []
     for role, count in (("prefill", prefill), ("decode", decode)):
         for i in range(count):
-            base = POOL_BASE_PORT[role] + 10 * i
+            base = base_port + (100 if role == "decode" else 0) + 10 * i
             env = {
                 "DISAGG_ROLE": role,
                 "DISAGG_HTTP_PORT": str(base),
@@ -160,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=2, help="prefill servers")
     p.add_argument("--decode", type=int, default=2, help="decode servers")
     p.add_argument("--config", help="TOML settings every node starts from")
+    p.add_argument("--base-port", type=int, default=BASE_PORT, help="first port of the pools")
     a = p.parse_args(argv)
     settings = ServeSettings.load(a.config)
-    nodes = plan(settings, a.prefill, a.decode, settings.path("build_dir") / "cluster")
+    build = settings.path("build_dir") / "cluster"
+    nodes = plan(settings, a.prefill, a.decode, build, a.base_port)
     cluster = Cluster(nodes, a.config)
     print(f"starting {len(nodes)} servers (logs under {settings.path('build_dir')}/cluster/)")
     try:

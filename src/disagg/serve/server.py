@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -21,7 +22,7 @@ from disagg.errors import ConfigError
 from disagg.serve import procargs, triton_install
 from disagg.serve.render import render_repositories, role_models
 from disagg.serve.supervisor import StubSupervisor
-from disagg.settings import ROOT, ServeSettings, template_values
+from disagg.settings import ROOT, ServeSettings, parse_cpus, template_values
 
 log = logging.getLogger("disagg.serve")
 # Triton APIs that change or inspect the server beyond inference: behind the admin key.
@@ -50,6 +51,12 @@ def _reap_children_automatically() -> None:
     a zombie until the server exited. The disposition survives exec; a stub's own children
     (none today) would be reaped the same way."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+
+
+def _in_child(cpus: set[int]) -> None:
+    _reap_children_automatically()
+    if cpus:  # before exec, on the only thread: every thread and stub after inherits it
+        os.sched_setaffinity(0, cpus)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -121,7 +128,7 @@ class TritonServer:
             "--load-model=*",
             "--strict-readiness=true",
             "--exit-on-error=true",
-            "--exit-timeout-secs=10",
+            f"--exit-timeout-secs={max(1, round(s.drain_s))}",
             f"--http-restricted-api={restricted}",
             f"--grpc-restricted-protocol={restricted}",
             f"--backend-config=python,shm-default-byte-size={SHM_BYTES}",
@@ -157,7 +164,7 @@ class TritonServer:
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_reap_children_automatically,
+            preexec_fn=functools.partial(_in_child, parse_cpus(s.cpus)),
         )
         self._mask_admin_key()
         return self
@@ -219,9 +226,11 @@ class TritonServer:
         except OSError:
             return "(no log)"
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Graceful shutdown; after a crash, also the stub processes and shared memory
-        regions the dead server left behind. Safe to call twice; start() may follow."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Graceful shutdown (in-flight requests get `drain_s`); after a crash, also the stub
+        processes and shared memory regions the dead server left behind. Safe to call twice;
+        start() may follow."""
+        timeout_s = self.settings.drain_s + 20.0 if timeout_s is None else timeout_s
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None

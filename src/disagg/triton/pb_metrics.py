@@ -177,9 +177,9 @@ class OrchestratorMetrics:
         self.queue.observe(queue_s, pool="prefill")
         self.prefill_s.observe(compute_s, pool="prefill")
 
-    def kv_handoff(self, num_bytes: int, seconds: float) -> None:
-        self.kv_bytes.observe(num_bytes)
-        self.kv_s.observe(seconds)
+    def kv_handoff(self, num_bytes: int, seconds: float, path: str) -> None:
+        self.kv_bytes.observe(num_bytes, path=path)
+        self.kv_s.observe(seconds, path=path)
 
     def decision(self, remote: bool, reason: str) -> None:
         self.decisions.inc(prefill="remote" if remote else "local", reason=reason)
@@ -189,6 +189,39 @@ class OrchestratorMetrics:
 
     def load(self, load) -> None:
         self.prefill_queue.set(load.prefill_queue_tokens)
+
+
+class ReplicaMetrics:
+    """The orchestrator's remote pools, per replica, refreshed every `interval_s` from their
+    ReplicaSets (which count as requests come and go)."""
+
+    def __init__(self, replica_sets: dict, interval_s: float = 2.0) -> None:
+        self.sets = {pool: rs for pool, rs in replica_sets.items() if rs is not None}
+        self.requests, self.ejections = Family(M.REPLICA_REQUESTS), Family(M.REPLICA_EJECTIONS)
+        self.outstanding, self.up = Family(M.REPLICA_OUTSTANDING), Family(M.REPLICA_UP)
+        self._seen: dict[tuple, tuple[int, int]] = {}
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        if self.sets:
+            threading.Thread(target=self._run, name="replica-metrics", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.refresh()
+
+    def refresh(self) -> None:
+        for pool, rs in self.sets.items():
+            for r in rs.replicas:
+                labels = {"pool": pool, "replica": r.address}
+                requests, ejections = self._seen.get((pool, r.address), (0, 0))
+                self.requests.inc(r.requests - requests, **labels)
+                self.ejections.inc(r.ejections - ejections, **labels)
+                self._seen[(pool, r.address)] = (r.requests, r.ejections)
+                self.outstanding.set(r.outstanding, **labels)
+                self.up.set(0.0 if r.ejected_until else 1.0, **labels)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class DecodeMetrics:
