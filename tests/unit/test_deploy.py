@@ -26,7 +26,8 @@ def compose() -> dict:
 def test_the_compose_file_is_valid_compose():
     parsed = PyCompose.from_yaml(COMPOSE.read_text())
     assert set(parsed.service_names()) == {
-        "triton-gpu", "triton-cpu", "gateway", "prometheus", "grafana"
+        "triton-gpu", "triton-cpu", "gateway", "prometheus", "grafana",
+        "frontend", "prefill-1", "prefill-2", "decode-1", "decode-2",
     }  # fmt: skip
 
 
@@ -152,3 +153,31 @@ def test_the_image_keeps_its_own_versions_of_what_it_already_has():
     assert "numpy  # the image's" in out  # from a URL: no pin of ours either
     assert "starlette==1.10.0" in out  # not in the image: our pin
     assert len(out) == len([x for x in ours.splitlines() if x and not x.startswith("#")])
+
+
+def test_the_multinode_profile_wires_a_frontend_to_two_prefill_and_two_decode_servers(compose):
+    from disagg.settings import ServeSettings
+
+    services = {n: s for n, s in compose["services"].items() if "multinode" in s["profiles"]}
+    assert set(services) == {"frontend", "prefill-1", "prefill-2", "decode-1", "decode-2"}
+    images = {s["image"] for s in services.values()}
+    assert images == {"disagg-triton:cpu"}  # one image, every role
+    roles = {}
+    for name, svc in services.items():
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        env = {k: ("x" * 32 if v.startswith("${") else v) for k, v in env.items()}
+        s = ServeSettings.load(None, env=env)  # what the node's serve will run with
+        roles[name] = s.role
+        assert s.path("engine_dir").parts[-2] == name  # its own engine: builds never race
+        if s.role == "prefill":
+            assert s.advertise_host == name and s.kv_port == 8105
+    assert roles == {"frontend": "frontend", "prefill-1": "prefill", "prefill-2": "prefill",
+                     "decode-1": "decode", "decode-2": "decode"}  # fmt: skip
+    front = ServeSettings.load(None, env={k: str(v) for k, v in
+                                          services["frontend"]["environment"].items()})  # fmt: skip
+    for role in ("prefill", "decode"):
+        hosts = {a.split(":")[0] for a in getattr(front, f"{role}_replicas").split(",")}
+        assert hosts == {f"{role}-1", f"{role}-2"}  # the service names resolve in compose
+    assert set(services["frontend"]["depends_on"]) == set(services) - {"frontend"}
+    token = {svc["environment"]["DISAGG_INTERNAL_TOKEN"] for svc in services.values()}
+    assert len(token) == 1 and token.pop().startswith("${DISAGG_INTERNAL_TOKEN:?")

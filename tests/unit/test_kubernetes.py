@@ -1,0 +1,200 @@
+"""deploy/kubernetes, validated offline: each overlay rendered by `kubectl kustomize`, every
+resource checked against the Kubernetes API schema by a real validator (kubernetes-validate,
+strict: unknown fields fail), then what a schema cannot see: selectors that match pods,
+ports and probes that match the settings, references that exist or are documented as the
+user's, no secret values in files, pinned images, and HPA metrics the project exports.
+Nothing here has run on a cluster (docs/kubernetes.md)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg import metrics as M
+from disagg.settings import ServeSettings
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "kubernetes"
+OVERLAYS = ("cpu", "gpu")
+K8S_VERSION = "1.32.0"  # the kubectl on these machines
+USER_PROVIDED = {("Secret", "disagg-secrets"), ("PersistentVolumeClaim", "disagg-engines"),
+                 ("PersistentVolumeClaim", "disagg-checkpoints")}  # fmt: skip
+TRITON_METRICS = {"nv_inference_pending_request_count"}  # Triton's own, per model
+
+
+def render(overlay: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the manifests were NOT rendered or validated")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request) -> tuple[str, list[dict]]:
+    return request.param, render(request.param)
+
+
+def by_kind(docs, kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def containers(dep: dict) -> list[dict]:
+    spec = dep["spec"]["template"]["spec"]
+    return spec["containers"] + spec.get("initContainers", [])
+
+
+def test_every_resource_passes_the_kubernetes_schema(rendered):
+    import kubernetes_validate
+
+    _, docs = rendered
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy",
+            "HorizontalPodAutoscaler"} <= kinds  # fmt: skip
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_validator_catches_what_it_should():
+    import kubernetes_validate
+
+    dep = by_kind(render("cpu"), "Deployment")[0]
+    dep["spec"]["replicaz"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
+
+
+def test_services_select_pods_and_target_their_ports(rendered):
+    _, docs = rendered
+    deployments = by_kind(docs, "Deployment")
+    for svc in by_kind(docs, "Service"):
+        selector = svc["spec"]["selector"]
+        matched = [
+            d for d in deployments
+            if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]  # fmt: skip
+        assert len(matched) == 1, svc["metadata"]["name"]
+        names = {p["name"] for c in containers(matched[0]) for p in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in names, (svc["metadata"]["name"], port)
+        headless = svc["spec"].get("clusterIP") == "None"
+        assert headless == (svc["metadata"]["name"] != "disagg-frontend")  # pools: DNS per pod
+    for dep in deployments:  # a Deployment's selector picks its own pods
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def _settings(docs, env: dict) -> ServeSettings:
+    (cm,) = by_kind(docs, "ConfigMap")
+    text = cm["data"]["serve.toml"]
+    tomllib.loads(text)
+    path = Path("/tmp") / f"k8s-serve-{abs(hash(text))}.toml"
+    path.write_text(text)
+    return ServeSettings.load(path, env=env)
+
+
+def test_ports_probes_and_roles_match_the_settings_the_pods_load(rendered):
+    overlay, docs = rendered
+    for dep in by_kind(docs, "Deployment"):
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value", "x" * 32) for e in c["env"]}
+        role = c["command"][c["command"].index("--role") + 1]
+        assert dep["metadata"]["name"] == f"disagg-{role}"
+        s = _settings(docs, {**env, "DISAGG_ROLE": role})
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert (ports["http"], ports["grpc"], ports["metrics"]) == (
+            s.http_port, s.grpc_port, s.metrics_port,
+        )  # fmt: skip
+        if role == "frontend":
+            assert ports["gateway"] == s.gateway_port
+            assert s.prefill_replicas == f"dns:disagg-prefill:{s.grpc_port}"
+            assert s.decode_replicas == f"dns:disagg-decode:{s.grpc_port}"
+        if role == "prefill":
+            assert ports["kv"] == s.kv_port
+        for probe, path in (("readinessProbe", "/v2/health/ready"),
+                            ("livenessProbe", "/v2/health/live")):  # fmt: skip
+            assert c[probe]["httpGet"] == {"path": path, "port": "http"}
+        grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert s.drain_s + 5 < grace  # preStop sleep + drain fit in the grace period
+        assert c["resources"]["requests"] and c["resources"]["limits"]
+        gpus = c["resources"]["limits"].get("nvidia.com/gpu")
+        assert (gpus == "1") == (overlay == "gpu" and role != "frontend")
+        if overlay == "gpu":
+            assert s.engine_backend == "tensorrt_llm"
+
+
+def test_the_network_policies_open_exactly_the_pools_ports(rendered):
+    _, docs = rendered
+    policies = {p["metadata"]["name"]: p for p in by_kind(docs, "NetworkPolicy")}
+    allowed = {
+        name: {(r["from"][0]["podSelector"]["matchLabels"].get("app.kubernetes.io/component",
+               "prometheus"), r["ports"][0]["port"]) for r in p["spec"]["ingress"]}
+        for name, p in policies.items()
+    }  # fmt: skip
+    assert allowed["disagg-prefill"] == {("frontend", 8001), ("decode", 8105), ("prometheus", 8002)}
+    assert allowed["disagg-decode"] == {("frontend", 8001), ("prometheus", 8002)}
+
+
+def test_references_exist_or_are_the_users_and_no_secret_is_written_down(rendered):
+    _, docs = rendered
+    defined = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    refs: set[tuple[str, str]] = set()
+    for dep in by_kind(docs, "Deployment"):
+        for vol in dep["spec"]["template"]["spec"]["volumes"]:
+            if "configMap" in vol:
+                refs.add(("ConfigMap", vol["configMap"]["name"]))
+            if "persistentVolumeClaim" in vol:
+                refs.add(("PersistentVolumeClaim", vol["persistentVolumeClaim"]["claimName"]))
+        for c in containers(dep):
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    refs.add(("Secret", ref["name"]))
+                if re.search(r"KEY|TOKEN|SECRET|PASSWORD", e["name"]):
+                    assert "value" not in e, f"{e['name']} must come from a Secret"
+    assert ("Secret", "disagg-secrets") in refs
+    missing = refs - defined - USER_PROVIDED
+    assert not missing, missing
+    assert not by_kind(docs, "Secret")  # never a Secret with values in the repository
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    for kind, name in refs - defined:
+        assert name in doc, f"{kind} {name} is the user's: docs/kubernetes.md must say so"
+
+
+def test_images_are_pinned(rendered):
+    overlay, docs = rendered
+    flavour = {"cpu": "-cpu", "gpu": "-trtllm"}[overlay]  # deploy/Dockerfile's two bases
+    for dep in by_kind(docs, "Deployment"):
+        for c in containers(dep):
+            name, _, tag = c["image"].rpartition(":")
+            assert name and re.fullmatch(r"\d+\.\d+\.\d+" + flavour, tag), c["image"]
+
+
+def test_each_pool_scales_on_a_queue_metric_the_project_exports(rendered):
+    _, docs = rendered
+    rules = yaml.safe_load((K8S / "prometheus-adapter" / "rules.yaml").read_text())
+    exposed = {}
+    for rule in rules["rules"]["custom"]:
+        series = re.match(r"([a-z_:]+)\{", rule["seriesQuery"]).group(1)
+        exposed[rule["name"]["as"]] = series
+    ours = {m.name for m in M.ALL}
+    hpas = {
+        h["spec"]["scaleTargetRef"]["name"]: h for h in by_kind(docs, "HorizontalPodAutoscaler")
+    }
+    assert set(hpas) == {"disagg-prefill", "disagg-decode"}
+    for hpa in hpas.values():
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["type"] == "Pods"
+        series = exposed[metric["pods"]["metric"]["name"]]
+        assert series in ours | TRITON_METRICS, series
+    assert exposed["disagg_decode_waiting_sequences"] in ours
