@@ -41,6 +41,9 @@ def cluster(engine_dir, tmp_path_factory):
             role: ",".join(servers[f"{role}{i}"].endpoints.grpc for i in range(2))
             for role in ("prefill", "decode")
         }
+        # the prefill pool from a file the frontend re-reads: a later test adds a server
+        (tmp / "prefill.txt").write_text(replicas["prefill"].replace(",", "\n") + "\n")
+        replicas["prefill"] = f"file:{tmp / 'prefill.txt'}"
         front = server_settings(
             engine_dir,
             tmp / "frontend",
@@ -50,10 +53,12 @@ def cluster(engine_dir, tmp_path_factory):
         )
         servers["frontend"] = TritonServer(front, admin_key="k").start()
         servers["frontend"].wait_ready(timeout_s=240)
+        servers["tmp"] = tmp
         yield servers
     finally:
         for server in servers.values():
-            server.stop()
+            if isinstance(server, TritonServer):
+                server.stop()
         if saved is None:
             os.environ.pop(TOKEN_ENV, None)
         else:
@@ -238,3 +243,21 @@ def test_with_the_whole_prefill_pool_gone_decode_serves_co_located(cluster, llm)
     (ref,) = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=32))
     r = http(cluster).generate("router", chat(PROMPTS[2]))
     assert r.extra["served_by"] == "fallback" and r.text == ref.text
+
+
+def test_a_new_prefill_server_takes_traffic_within_10_s_of_being_listed(cluster, engine_dir):
+    """After the whole pool died (the test before): a new server, once ready, is added to
+    the list the frontend re-reads; requests are disaggregated again within 10 s."""
+    tmp = cluster["tmp"]
+    new = TritonServer(server_settings(engine_dir, tmp / "prefill2", role="prefill"), "k")
+    cluster["prefill2"] = new.start()
+    new.wait_ready(timeout_s=240)
+    (tmp / "prefill.txt").write_text(new.endpoints.grpc + "\n")
+    listed = time.monotonic()
+    new_pids = stubs_of(new, "prefill")
+    while True:
+        r = http(cluster).generate("orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 2})
+        if r.extra["served_by"] == "disaggregated" and r.extra["prefill_pid"] in new_pids:
+            break
+        assert time.monotonic() - listed < 10, "the new replica took no traffic in 10 s"
+        time.sleep(0.5)

@@ -98,3 +98,20 @@ def test_each_role_runs_its_models():
     assert {"prefill", "decode", "router"} <= role_models("all", "a:1", "b:1")
     front = role_models("frontend", prefill_replicas="a:1")
     assert "prefill" not in front and {"decode", "orchestrator", "ensemble"} <= front
+
+
+def test_a_replica_file_is_reread(tmp_path):
+    from disagg.remote.replicas import resolve
+
+    clock, path = Clock(), tmp_path / "prefill.txt"
+    path.write_text("127.0.0.1:8001  # the first\n")
+    rs = ReplicaSet(f"file:{path}", probe=lambda a: True, resolve_s=5.0, clock=clock)
+    assert rs.choose().address == "127.0.0.1:8001"
+    path.write_text("127.0.0.1:8001\n127.0.0.1:8011\n")
+    clock.now += 6
+    assert {rs.choose().address for _ in range(4)} == {"127.0.0.1:8001", "127.0.0.1:8011"}
+    path.write_text("not an address\n")
+    clock.now += 6
+    assert len(rs.replicas) == 2  # a broken file keeps what was known
+    with pytest.raises(ConfigError):
+        resolve(f"file:{path}", 0)

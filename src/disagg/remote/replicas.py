@@ -5,6 +5,8 @@ many (a Kubernetes headless Service), re-resolved every `resolve_s`:
 
     "10.0.0.5:8001,10.0.0.6:8001"      fixed replicas
     "dns:prefill.disagg.svc:8001"      every address the name has, now and later
+    "file:/etc/disagg/prefill.txt"     the host:port lines of a file, re-read (a list that
+                                       configuration management or a script keeps)
 
 No coordinator (etcd, NATS) is involved. A replica is chosen by load: the fewest requests
 this frontend has outstanding on it, ties broken in turn. One that fails a connection is
@@ -41,8 +43,12 @@ class Replica:
 
 
 def parse_spec(spec: str) -> tuple[list[str], tuple[str, int] | None]:
-    """(fixed addresses, (dns name, port) or None)."""
+    """(fixed addresses, (dns name, port) or ("file:<path>", 0) or None)."""
     spec = spec.strip()
+    if spec.startswith("file:"):
+        if not spec[5:]:
+            raise ConfigError(f"replica list {spec!r}: expected file:<path>")
+        return [], (spec, 0)
     if spec.startswith("dns:"):
         name, _, port = spec[4:].rpartition(":")
         if not name or not port.isdigit():
@@ -57,6 +63,12 @@ def parse_spec(spec: str) -> tuple[list[str], tuple[str, int] | None]:
 
 
 def resolve(name: str, port: int) -> list[str]:
+    if name.startswith("file:"):
+        with open(name[5:]) as f:
+            lines = [line.split("#", 1)[0].strip() for line in f]
+        addresses = [a for a in lines if a]
+        parse_spec(",".join(addresses))  # host:port each, or ConfigError
+        return addresses
     infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
     hosts = sorted({info[4][0] for info in infos})
     return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
@@ -108,7 +120,7 @@ class ReplicaSet:
         self._next_resolve = now + self.resolve_s
         try:
             self._refresh(self.resolver(*self.dns))
-        except OSError as e:  # keep what we had; DNS may come back
+        except (OSError, ConfigError) as e:  # keep what we had; DNS may come back
             log.warning("resolving %s failed: %s", self.dns[0], e)
 
     def _usable(self, r: Replica, now: float) -> bool:
