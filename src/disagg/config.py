@@ -90,6 +90,9 @@ class EngineConfig:
     num_kv_blocks: int = 0  # KV memory budget in blocks; 0: max_num_seqs * max_model_len
     block_size: int = 16  # tokens per KV block (budget granularity)
     max_queue: int = 256  # sequences waiting for admission before new ones are refused
+    # prompt tokens decode prefills itself per step, beside the running batch: a longer
+    # prompt is prefilled in chunks over several steps, so running sequences keep their pace
+    prefill_chunk_tokens: int = 64
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask for
     # Touch the whole KV cache at start: a server pays the page faults (~0.5 ms/MB here)
     # once instead of on the decode steps that first write each page.
@@ -104,6 +107,8 @@ class EngineConfig:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{f.name} must be a non-negative integer, got {value!r}")
+        if self.prefill_chunk_tokens < 16:
+            raise ConfigError("prefill_chunk_tokens must be at least 16")
         if self.max_num_seqs < 1 or self.max_model_len < 2 or self.block_size < 1:
             raise ConfigError("max_num_seqs >= 1, max_model_len >= 2 and block_size >= 1 required")
         if self.num_kv_blocks == 0:

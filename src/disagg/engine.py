@@ -180,6 +180,8 @@ class DecodeEngine:
     # ---------------------------------------------------------------- the loop
 
     def step(self) -> list[TokenOutput]:
+        """One engine step: admit what fits, prefill up to `prefill_chunk_tokens` of prompts
+        decode prefills itself, then one decode step for every running sequence."""
         outputs: list[TokenOutput] = []
         with self._lock:
             for rid, reason in list(self._finish_requests.items()):
@@ -187,43 +189,90 @@ class DecodeEngine:
             self._finish_requests.clear()
             admitted = self.scheduler.schedule()
         done = [seq for seq in admitted if self._admit(seq, outputs)]
+        done += self._prefill_chunks(outputs)
         with self._lock:
             for seq in done:
                 self._finish(seq, self.scheduler.stop_reason(seq), outputs, announced=True)
         running = list(self.scheduler.running)
-        if not running:
+        ready = [s for s in running if not s.prefilling]
+        if not ready:
             return outputs
-        tokens = torch.tensor([s.last_token for s in running])
+        # A sequence still prefilling keeps its slot in the batch with a placeholder row: the
+        # K/V that row writes land at its next chunk's first position, which the chunk then
+        # overwrites, and its output is dropped. Rows are independent (batch invariance), so
+        # the other sequences get what they would get without it.
+        tokens = torch.tensor([0 if s.prefilling else s.last_token for s in running])
         positions = torch.tensor([s.num_cached_tokens for s in running])
         logits = self.model.decode(tokens, positions, self.cache).cpu()  # [B, V]: sampled here
+        if len(ready) < len(running):
+            logits = logits[[i for i, s in enumerate(running) if not s.prefilling]]
         new = sample_batch(
             logits,
-            [s.params for s in running],
-            [s.seed for s in running],
-            [s.output_ids for s in running],
+            [s.params for s in ready],
+            [s.seed for s in ready],
+            [s.output_ids for s in ready],
         )
         self.num_steps += 1
         with self._lock:
-            done = dict(self.scheduler.postprocess(running, new))
-            for seq, token in zip(running, new, strict=True):
+            done = dict(self.scheduler.postprocess(ready, new))
+            for seq, token in zip(ready, new, strict=True):
                 reason = done.get(seq)
                 outputs.append(TokenOutput(seq.request_id, token, len(seq.output_ids) - 1, reason))
             for seq, reason in done.items():
                 self._finish(seq, reason, outputs, announced=True)
         return outputs
 
-    def _admit(self, seq: Sequence, outputs: list[TokenOutput]) -> bool:
-        """Write the sequence's prompt K/V into its slot (prefilling it here if it came
-        without). Returns True if its first token already ends it."""
-        start = time.perf_counter()
-        prefill_here = seq.pending_kv is None
-        done = self._admit_kv(seq, outputs)
+    def _prefill_chunks(self, outputs: list[TokenOutput]) -> list[Sequence]:
+        """Advance the prompts decode prefills in chunks, oldest first, within this step's
+        token budget. Returns the ones whose first token already ends them."""
+        budget, done = self.config.prefill_chunk_tokens, []
+        for seq in [s for s in self.scheduler.running if s.prefilling]:
+            if budget <= 0:
+                break
+            prompt = self._prompts[seq.request_id]
+            n = len(prompt) - seq.prefill_pos
+            if self._others_decoding(seq):  # nobody to keep waiting: the rest at once
+                n = min(budget, n)
+            chunk = prompt[seq.prefill_pos : seq.prefill_pos + n]
+            logits = self.model.prefill_chunk(chunk, seq.prefill_pos, self.cache, seq.slot)
+            seq.prefill_pos += n
+            budget -= n
+            if seq.prefill_pos < len(prompt):
+                continue
+            del self._prompts[seq.request_id]
+            first = sample_one(logits.cpu(), seq.params, seq.seed, [])
+            seq.output_ids.append(first)
+            reason = self.scheduler.stop_reason(seq)
+            outputs.append(TokenOutput(seq.request_id, first, 0, reason))
+            self._admitted_hook(seq, time.perf_counter() - seq.admitted_s)
+            if reason is not None:
+                done.append(seq)
+        return done
+
+    def _others_decoding(self, seq: Sequence) -> bool:
+        """Whether a sequence other than `seq` is decoding: only then is a prompt chunked
+        (alone, a whole prefill is the fastest way to its first token)."""
+        return any(s is not seq and not s.prefilling for s in self.scheduler.running)
+
+    def _admitted_hook(self, seq: Sequence, prefill_s: float | None) -> None:
         if self.on_admit is not None:
-            prefill_s = time.perf_counter() - start if prefill_here else None
             try:
-                self.on_admit(start - seq.arrival_s, prefill_s)
+                self.on_admit(seq.admitted_s - seq.arrival_s, prefill_s)
             except Exception:  # metrics must never stop decoding
                 logging.getLogger("disagg.engine").exception("on_admit hook failed")
+
+    def _admit(self, seq: Sequence, outputs: list[TokenOutput]) -> bool:
+        """Write the sequence's prompt K/V into its slot (prefilling it here if it came
+        without, whole when it fits this step's chunk budget, else in chunks from this step
+        on). Returns True if its first token already ends it."""
+        seq.admitted_s = time.perf_counter()
+        long = seq.prompt_len > self.config.prefill_chunk_tokens
+        if seq.pending_kv is None and long and self._others_decoding(seq):
+            seq.prefill_pos = 0  # _prefill_chunks takes it from here
+            return False
+        prefill_here = seq.pending_kv is None
+        done = self._admit_kv(seq, outputs)
+        self._admitted_hook(seq, time.perf_counter() - seq.admitted_s if prefill_here else None)
         return done
 
     def _admit_kv(self, seq: Sequence, outputs: list[TokenOutput]) -> bool:

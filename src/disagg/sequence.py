@@ -99,6 +99,14 @@ class Sequence:
     # prefill output waiting to be written into the slot when the sequence is admitted
     pending_kv: object | None = field(default=None, repr=False)
     arrival_s: float = field(default_factory=time.perf_counter)  # added to the engine
+    # chunked prefill by decode itself: prompt positions already in the slot's KV cache
+    # (None: the sequence came with its KV cache, or was prefilled whole)
+    prefill_pos: int | None = None
+    admitted_s: float = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefill_pos is not None and not self.output_ids
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +114,8 @@ class Sequence:
 
     @property
     def num_cached_tokens(self) -> int:
+        if self.prefilling:
+            return self.prefill_pos
         return self.num_tokens - 1
 
     @property

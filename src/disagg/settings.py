@@ -60,6 +60,9 @@ class ServeSettings:
     decode_instances: int = 1  # decode pool size (processes, one engine each)
     tokenizer_instances: int = 1
     decode_max_num_seqs: int = 16  # continuous batch size of one decode instance
+    # prompt tokens a decode instance prefills itself per step (co-located, fallback,
+    # migration), beside its running batch; a longer prompt takes several steps
+    decode_prefill_chunk: int = 64  # benchmarks/itl_bench.py: p99 ITL <= 2x p50 under long prompts
     max_model_len: int = 2048  # prompt + output tokens
     max_tokens_limit: int = 1024  # largest max_tokens a request may ask for
     max_tokens_default: int = 128  # when a request does not say
@@ -342,7 +345,11 @@ class ModelParams:
         Decode's KV cache is touched at start: steady-state speed from the first request."""
         extra = {}
         if pool == "decode":
-            extra = {"max_num_seqs": self.decode_max_num_seqs, "prefault_kv": True}
+            extra = {
+                "max_num_seqs": self.decode_max_num_seqs,
+                "prefault_kv": True,
+                "prefill_chunk_tokens": self.decode_prefill_chunk,
+            }
         return EngineConfig(
             max_model_len=self.max_model_len, max_tokens_limit=self.max_tokens_limit, **extra
         )

@@ -4,7 +4,8 @@ the decode pool prefill it itself? No Triton here.
 The choices differ in how fast the prefill runs and in who waits for it:
 
     local  (decode prefills):  the request waits for its prefill, and so does every sequence
-                               decoding in that engine: its step loop stops for the prefill.
+                               decoding in that engine: with chunked prefill the stall is
+                               spread over its steps (a chunk per step) but adds up the same.
         local_cost  = P_local + A * P_local
     remote (prefill pool):     the request waits for the prefill pool's queue, its prefill and
                                the KV hand-off; decoding sequences go on, slowed only as far as
@@ -14,7 +15,8 @@ The choices differ in how fast the prefill runs and in who waits for it:
         remote_cost = Q + P_remote + H + A * P_remote * remote_stall
 
     P_local  = prompt tokens x decode's own prefill seconds per token (learned from the time
-               decode takes to answer a request it prefills)
+               decode takes to answer a request it prefills: chunks interleaved with decode
+               steps included)
     P_remote = prompt tokens x the prefill pool's seconds per token (learned from its reports;
                on shared cores it includes the contention with decode)
     A = sequences this orchestrator has in decode now

@@ -1,0 +1,109 @@
+"""Chunked prefill in the decode engine: a prompt decode prefills itself runs in chunks of
+`prefill_chunk_tokens` inside decode steps, so running sequences get a token every step while
+a long prompt arrives; what changes against a whole prefill is measured here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.config import EngineConfig
+from disagg.engine import DecodeEngine, PrefillEngine
+from disagg.model import KVCacheSlots
+from disagg.sequence import SamplingParams
+
+pytestmark = pytest.mark.model
+CHUNK = 128
+
+
+def long_prompt(llm, n: int) -> list[int]:
+    text = " ".join(
+        f"Item {i}: a note about the harbour, the boats and the weather." for i in range(80)
+    )
+    ids = llm.encode(f"Summarise these notes.\n{text}")
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def test_chunk_by_chunk_is_the_whole_prefill_within_float_error(llm):
+    model, prompt = llm.model, long_prompt(llm, 300)
+    logits, k, v = model.prefill(prompt)
+    cache = KVCacheSlots(model.args, 2, 512)
+    for start in range(0, len(prompt), 64):
+        chunk_logits = model.prefill_chunk(prompt[start : start + 64], start, cache, slot=1)
+    assert torch.allclose(cache.k[:, 1, :, :300], k, atol=1e-4)
+    assert torch.allclose(cache.v[:, 1, :, :300], v, atol=1e-4)
+    assert (chunk_logits - logits).abs().max() < 1e-3
+    assert int(chunk_logits.argmax()) == int(logits.argmax())
+
+
+def _engine(llm, chunk=CHUNK):
+    config = EngineConfig(max_num_seqs=4, max_model_len=1024, prefill_chunk_tokens=chunk)
+    return DecodeEngine(llm.model, config, {llm.tokenizer.eos_token_id}), config
+
+
+def test_running_sequences_get_a_token_every_step_while_a_long_prompt_prefills(llm):
+    engine, config = _engine(llm)
+    short = llm.encode("Tell me about the sea.")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = _decode_alone(llm, short, params)
+    engine.add_request("run", params, prompt_ids=short)
+    got = {"run": [], "long": []}
+    for o in engine.step():
+        got[o.request_id].append(o.token_id)
+    long = long_prompt(llm, 700)
+    engine.add_request("long", SamplingParams(max_tokens=8, ignore_eos=True), prompt_ids=long)
+    steps_until_first = 0
+    while not got["long"]:
+        before = len(got["run"])
+        for o in engine.step():
+            if o.token_id is not None:
+                got[o.request_id].append(o.token_id)
+        steps_until_first += 1
+        assert len(got["run"]) == before + 1  # its rhythm: one token per step, every step
+    assert steps_until_first == -(-len(long) // CHUNK)  # 6 chunks of <= 128 tokens
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.token_id is not None:
+                got[o.request_id].append(o.token_id)
+    assert got["run"] == alone  # batch invariant: the placeholder rows change nothing
+
+
+def _decode_alone(llm, prompt, params, chunk=CHUNK, beside: list[int] | None = None):
+    """Greedy tokens of `prompt`, co-located; with `beside`, another sequence decodes all the
+    while (a prompt is only chunked when someone else is decoding)."""
+    engine, _ = _engine(llm, chunk)
+    if beside is not None:
+        engine.add_request("other", SamplingParams(max_tokens=200, ignore_eos=True),
+                           prompt_ids=beside)  # fmt: skip
+        engine.step()
+    engine.add_request("a", params, prompt_ids=prompt)
+    out = []
+    while any(rid == "a" for rid in engine._seqs):
+        out += [o.token_id for o in engine.step() if o.token_id is not None and o.request_id == "a"]
+    return out
+
+
+def test_a_prompt_alone_is_prefilled_whole(llm):
+    engine, _ = _engine(llm)
+    engine.add_request("a", SamplingParams(max_tokens=2), prompt_ids=long_prompt(llm, 700))
+    first = [o for o in engine.step() if o.request_id == "a" and o.token_id is not None]
+    assert first and first[0].index == 0  # its first token in the first step
+
+
+def test_what_chunking_changes_in_greedy_replies(llm):
+    """Prompts up to one chunk are prefilled whole: token for token today's. Longer ones:
+    the chunked reply is compared with the prefill engine's (disaggregated) reply."""
+    engine_prefill = PrefillEngine(llm.model, EngineConfig(max_model_len=1024))
+    params = SamplingParams(max_tokens=24)
+    beside = llm.encode("Tell me about the sea.")
+    for n in (CHUNK, 300, 700):
+        prompt = long_prompt(llm, n)
+        chunked = _decode_alone(llm, prompt, params, beside=beside)
+        result = engine_prefill.prefill("p", prompt, params)
+        engine, _ = _engine(llm)
+        engine.add_request("p", params, prefill=result)
+        disagg = [result.first_token]
+        while engine.has_unfinished:
+            disagg += [o.token_id for o in engine.step() if o.token_id is not None]
+        assert chunked == disagg, n
