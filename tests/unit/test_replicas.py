@@ -115,3 +115,17 @@ def test_a_replica_file_is_reread(tmp_path):
     assert len(rs.replicas) == 2  # a broken file keeps what was known
     with pytest.raises(ConfigError):
         resolve(f"file:{path}", 0)
+
+
+def test_decode_replicas_are_chosen_by_the_load_they_report_while_it_is_fresh():
+    clock = Clock()
+    rs = ReplicaSet("a:1,b:1", probe=lambda a: True, clock=clock, report_s=2.0)
+    a, b = rs.replicas
+    rs.report(a, running=7, waiting=0, free=1)  # other frontends keep it busy
+    rs.report(b, running=2, waiting=0, free=6)
+    assert all(rs.choose() is b for _ in range(4))
+    rs.report(b, running=8, waiting=3, free=0)  # now b queues sequences
+    assert rs.choose() is a
+    clock.now += 3  # reports gone stale: this frontend's own counts decide
+    with rs.using(a):
+        assert rs.choose() is b

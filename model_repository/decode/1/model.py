@@ -32,9 +32,15 @@ class TritonPythonModel:
                 eos,
                 on_admit=self.metrics.on_admit,
             )
+        self.max_num_seqs = p.decode_max_num_seqs
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.service = DecodeService(engine, cancels, on_step=self.metrics.on_step).start()
         self.pid = os.getpid()
+
+    def _load(self) -> tuple[int, int, int]:
+        stats = self.service.engine.stats()
+        free = self.max_num_seqs - stats.num_running
+        return stats.num_running, stats.num_waiting, max(free, 0)
 
     def execute(self, requests):
         for request in requests:
@@ -43,6 +49,7 @@ class TritonPythonModel:
                 self.pid,
                 bls.is_bls_caller(request),
                 bls.CallerWatch.of(request),
+                load=self._load if P.DECODE_LOAD in request.requested_output_names() else None,
             )
             try:
                 bls.check_internal(request, "decode")

@@ -37,7 +37,9 @@ PREFILL_OUTPUTS = (
     P.FIRST_TOKEN, P.RESOLVED_SEED, P.KV_PAYLOAD, P.WORKER_PID, P.PREFILL_TIME_US,
     P.PREFILL_START_NS,
 )  # fmt: skip
-DECODE_OUTPUTS = (P.TOKEN_IDS, P.FINISH_REASON, P.WORKER_PID, P.ERROR_KIND, P.ERROR)
+DECODE_OUTPUTS = (
+    P.TOKEN_IDS, P.FINISH_REASON, P.WORKER_PID, P.ERROR_KIND, P.ERROR, P.DECODE_LOAD,
+)  # fmt: skip
 # gRPC status codes that mean "this replica did not take the request": try another
 _UNREACHABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED")
 
@@ -215,6 +217,9 @@ class GrpcDecodePool:
                     _raise_for_error(error, what)
                 _raise_for_outputs(result, what)
                 tokens = result.as_numpy(P.TOKEN_IDS)
+                load = result.as_numpy(P.DECODE_LOAD)
+                if load is not None:  # the server's whole load, other frontends' included
+                    self.replicas.report(replica, *(int(x) for x in load.reshape(-1)[:3]))
                 final = result.get_response().parameters.get("triton_final_response")
                 if tokens is not None:
                     reason = result.as_numpy(P.FINISH_REASON).reshape(-1)[0].decode()

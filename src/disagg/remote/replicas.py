@@ -8,8 +8,10 @@ many (a Kubernetes headless Service), re-resolved every `resolve_s`:
     "file:/etc/disagg/prefill.txt"     the host:port lines of a file, re-read (a list that
                                        configuration management or a script keeps)
 
-No coordinator (etcd, NATS) is involved. A replica is chosen by load: the fewest requests
-this frontend has outstanding on it, ties broken in turn. One that fails a connection is
+No coordinator (etcd, NATS) is involved. A replica is chosen by load: for decode, what the
+server itself reported with its last responses (sequences waiting for a slot first, then
+running ones: other frontends' included) while that report is fresh (`report_s`), else the
+requests this frontend has outstanding on it; ties broken in turn. One that fails a connection is
 ejected for `eject_s` and is only readmitted once its health probe (Triton's model-ready)
 passes; a new address joins once its probe passes.
 """
@@ -40,6 +42,9 @@ class Replica:
     failures: int = 0
     ejections: int = 0
     order: int = field(default=0, compare=False)
+    # what the replica last reported of its own load (decode: running, waiting, free slots)
+    reported: tuple[int, int, int] | None = None
+    reported_at: float = 0.0
 
 
 def parse_spec(spec: str) -> tuple[list[str], tuple[str, int] | None]:
@@ -83,7 +88,9 @@ class ReplicaSet:
         eject_s: float = 2.0,
         resolver: Callable[[str, int], list[str]] = resolve,
         clock: Callable[[], float] = time.monotonic,
+        report_s: float = 2.0,
     ) -> None:
+        self.report_s = report_s
         self.fixed, self.dns = parse_spec(spec)
         self.probe = probe
         self.resolve_s = resolve_s
@@ -147,7 +154,18 @@ class ReplicaSet:
             return None
         turn = next(self._turn)
         n = len(candidates)
-        return min(candidates, key=lambda r: (r.outstanding, (r.order - turn) % n))
+        return min(candidates, key=lambda r: (*self._load(r, now), (r.order - turn) % n))
+
+    def _load(self, r: Replica, now: float) -> tuple[int, int]:
+        """(waiting, busy) of a replica: its own report while fresh (busy: at least what this
+        frontend has on it), else this frontend's outstanding requests."""
+        if r.reported is not None and now - r.reported_at <= self.report_s:
+            running, waiting, _free = r.reported
+            return waiting, max(running + waiting, r.outstanding)
+        return 0, r.outstanding
+
+    def report(self, replica: Replica, running: int, waiting: int, free: int) -> None:
+        replica.reported, replica.reported_at = (running, waiting, free), self.clock()
 
     def eject(self, replica: Replica, why: str) -> None:
         with self._lock:

@@ -146,24 +146,31 @@ class SenderSink:
     """Decode output of one request, sent through its Triton response sender."""
 
     def __init__(
-        self, sender, pid: int, to_bls: bool = False, caller: CallerWatch | None = None
+        self,
+        sender,
+        pid: int,
+        to_bls: bool = False,
+        caller: CallerWatch | None = None,
+        load=None,
     ) -> None:
         self.sender = sender
         self.pid = pid
         self.to_bls = to_bls  # failures as outputs (contracts.py): the caller is a BLS stream
         self.caller = caller or CallerWatch(0)
+        self.load = load  # () -> (running, waiting, free slots), for callers that ask for it
         self.num_sent = 0
 
     def send(self, token_ids: list[int], finish_reason: str | None) -> None:
         if self.caller.gone():  # DecodeService then finishes the request
             raise PoolError(f"the caller (pid {self.caller.pid}) died")
-        response = pb_utils.InferenceResponse(
-            output_tensors=[
-                tensor(P.TOKEN_IDS, token_ids, np.int32),
-                tensor(P.FINISH_REASON, [(finish_reason or "").encode()], np.object_),
-                tensor(P.WORKER_PID, [self.pid], np.int32),
-            ]
-        )
+        outputs = [
+            tensor(P.TOKEN_IDS, token_ids, np.int32),
+            tensor(P.FINISH_REASON, [(finish_reason or "").encode()], np.object_),
+            tensor(P.WORKER_PID, [self.pid], np.int32),
+        ]
+        if self.load is not None:
+            outputs.append(tensor(P.DECODE_LOAD, list(self.load()), np.int32))
+        response = pb_utils.InferenceResponse(output_tensors=outputs)
         self.sender.send(response, flags=FINAL if finish_reason is not None else 0)
         self.num_sent += 1
 
