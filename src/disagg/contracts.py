@@ -90,8 +90,9 @@ PREFILL_TIME_US = "prefill_time_us"  # INT64 [1]: compute only
 PREFILL_START_NS = "prefill_start_ns"  # INT64 [1]: wall clock when compute began (queue time)
 TOKEN_IDS = "token_ids"  # INT32 [-1]: new tokens of one decode response
 WORKER_PID = "worker_pid"  # INT32 [1]: the process that produced a response
-# INT32 [3]: a decode engine's sequences running, waiting and free slots, with each response
-# to a caller that asks for it (a frontend choosing among decode replicas)
+# INT32 [4]: a decode engine's sequences running and waiting, its free slots and free KV
+# cache (in tokens), with each response to a caller that asks for it (a frontend choosing
+# among decode replicas)
 DECODE_LOAD = "decode_load"
 PREFILL_PID = "prefill_pid"  # INT32 [1]: orchestrator's final response (0: no prefill pool)
 DECODE_PID = "decode_pid"  # INT32 [1]

@@ -126,6 +126,9 @@ def test_decode_replicas_are_chosen_by_the_load_they_report_while_it_is_fresh():
     assert all(rs.choose() is b for _ in range(4))
     rs.report(b, running=8, waiting=3, free=0)  # now b queues sequences
     assert rs.choose() is a
+    rs.report(a, running=4, waiting=0, free=4, free_kv=900)
+    rs.report(b, running=4, waiting=0, free=4, free_kv=5000)
+    assert rs.choose() is b  # as busy: the one with more KV cache free
     clock.now += 3  # reports gone stale: this frontend's own counts decide
-    with rs.using(a):
-        assert rs.choose() is b
+    with rs.using(b):
+        assert rs.choose() is a

@@ -183,10 +183,10 @@ def test_decode_pool_reads_what_the_decode_models_sink_sends(t, tmp_path):
 
 def test_a_sink_reports_decode_load_only_to_callers_that_ask(t):
     caller = t.u.InferenceRequest("decode")
-    t.pools.SenderSink(caller.sender, 55, load=lambda: (3, 1, 5)).send([9], None)
+    t.pools.SenderSink(caller.sender, 55, load=lambda: (3, 1, 5, 800)).send([9], None)
     t.pools.SenderSink(caller.sender, 55).send([9], None)
     (with_load, _), (without, _) = caller.sender.sent
-    assert _outputs(with_load)[C.DECODE_LOAD].tolist() == [3, 1, 5]
+    assert _outputs(with_load)[C.DECODE_LOAD].tolist() == [3, 1, 5, 800]
     assert C.DECODE_LOAD not in _outputs(without)  # unrequested outputs are never sent
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from disagg import contracts as P
 from disagg.cancel import CancelRegistry
+from disagg.config import load_model_args
 from disagg.engine import DecodeEngine
 from disagg.model import Llama
 from disagg.pipeline.decode_service import DecodeService
@@ -33,14 +34,17 @@ class TritonPythonModel:
                 on_admit=self.metrics.on_admit,
             )
         self.max_num_seqs = p.decode_max_num_seqs
+        self.kv_bytes_per_token = max(load_model_args(p.engine_dir).kv_bytes_per_token, 1)
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.service = DecodeService(engine, cancels, on_step=self.metrics.on_step).start()
         self.pid = os.getpid()
 
-    def _load(self) -> tuple[int, int, int]:
-        stats = self.service.engine.stats()
-        free = self.max_num_seqs - stats.num_running
-        return stats.num_running, stats.num_waiting, max(free, 0)
+    def _load(self) -> tuple[int, int, int, int]:
+        s = self.service.engine.stats()
+        free_kv = -1  # unknown (TensorRT-LLM's engine does not say)
+        if s.kv_bytes_capacity is not None and s.kv_bytes_reserved is not None:
+            free_kv = (s.kv_bytes_capacity - s.kv_bytes_reserved) // self.kv_bytes_per_token
+        return s.num_running, s.num_waiting, max(self.max_num_seqs - s.num_running, 0), free_kv
 
     def execute(self, requests):
         for request in requests:

@@ -219,7 +219,7 @@ class GrpcDecodePool:
                 tokens = result.as_numpy(P.TOKEN_IDS)
                 load = result.as_numpy(P.DECODE_LOAD)
                 if load is not None:  # the server's whole load, other frontends' included
-                    self.replicas.report(replica, *(int(x) for x in load.reshape(-1)[:3]))
+                    self.replicas.report(replica, *(int(x) for x in load.reshape(-1)[:4]))
                 final = result.get_response().parameters.get("triton_final_response")
                 if tokens is not None:
                     reason = result.as_numpy(P.FINISH_REASON).reshape(-1)[0].decode()

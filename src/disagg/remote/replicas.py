@@ -10,10 +10,10 @@ many (a Kubernetes headless Service), re-resolved every `resolve_s`:
 
 No coordinator (etcd, NATS) is involved. A replica is chosen by load: for decode, what the
 server itself reported with its last responses (sequences waiting for a slot first, then
-running ones: other frontends' included) while that report is fresh (`report_s`), else the
-requests this frontend has outstanding on it; ties broken in turn. One that fails a connection is
-ejected for `eject_s` and is only readmitted once its health probe (Triton's model-ready)
-passes; a new address joins once its probe passes.
+running ones: other frontends' included; then the most free KV cache) while that report is
+fresh (`report_s`), else the requests this frontend has outstanding on it; ties in turn.
+One that fails a connection is ejected for `eject_s` and is only readmitted once its health
+probe (Triton's model-ready) passes; a new address joins once its probe passes.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class Replica:
     failures: int = 0
     ejections: int = 0
     order: int = field(default=0, compare=False)
-    # what the replica last reported of its own load (decode: running, waiting, free slots)
-    reported: tuple[int, int, int] | None = None
+    # what the replica last reported of its own load (decode: running, waiting, free slots,
+    # free KV tokens or -1)
+    reported: tuple[int, int, int, int] | None = None
     reported_at: float = 0.0
 
 
@@ -156,16 +157,19 @@ class ReplicaSet:
         n = len(candidates)
         return min(candidates, key=lambda r: (*self._load(r, now), (r.order - turn) % n))
 
-    def _load(self, r: Replica, now: float) -> tuple[int, int]:
-        """(waiting, busy) of a replica: its own report while fresh (busy: at least what this
-        frontend has on it), else this frontend's outstanding requests."""
+    def _load(self, r: Replica, now: float) -> tuple[int, int, int]:
+        """(waiting, busy, -free KV) of a replica: its own report while fresh (busy: at least
+        what this frontend has on it), else this frontend's outstanding requests."""
         if r.reported is not None and now - r.reported_at <= self.report_s:
-            running, waiting, _free = r.reported
-            return waiting, max(running + waiting, r.outstanding)
-        return 0, r.outstanding
+            running, waiting, _free_slots, free_kv = r.reported
+            return waiting, max(running + waiting, r.outstanding), -free_kv
+        return 0, r.outstanding, 0
 
-    def report(self, replica: Replica, running: int, waiting: int, free: int) -> None:
-        replica.reported, replica.reported_at = (running, waiting, free), self.clock()
+    def report(
+        self, replica: Replica, running: int, waiting: int, free: int, free_kv: int = -1
+    ) -> None:
+        replica.reported = (running, waiting, free, free_kv)
+        replica.reported_at = self.clock()
 
     def eject(self, replica: Replica, why: str) -> None:
         with self._lock:
