@@ -98,3 +98,21 @@ def admin_post(server, path: str, key: str | None) -> int:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+def serve_env(engine_dir, build_dir, **settings) -> tuple[dict, dict]:
+    """The environment a `disagg serve`-like command runs with in a test: free ports, the
+    engine, its own build directory, and `settings` as DISAGG_<NAME> (upper-cased).
+    Returns (env, ports by name)."""
+    import os
+
+    http, grpc, metrics, gateway = free_ports(4)
+    ports = {"http": http, "grpc": grpc, "metrics": metrics, "gateway": gateway}
+    env = {
+        **os.environ,
+        "DISAGG_ENGINE_DIR": str(engine_dir),
+        "DISAGG_BUILD_DIR": str(build_dir),
+        **{f"DISAGG_{name.upper()}_PORT": str(port) for name, port in ports.items()},
+        **{f"DISAGG_{k.upper()}": str(v) for k, v in settings.items()},
+    }
+    return env, ports

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.triton_server import free_ports
+from helpers.triton_server import serve_env
 
 from disagg.client import HttpClient
 from disagg.process import process_alive
@@ -57,17 +57,8 @@ def _descends(pid: int, ancestor: int) -> bool:
 
 def test_the_cluster_command_serves_and_stops_every_node_on_ctrl_c(tmp_path, engine_dir):
     base = next(b for b in range(47100, 60000, 300) if _free_range(b, 130))
-    http, grpc, metrics, gateway = free_ports(4)
-    env = {
-        **os.environ,
-        "DISAGG_ENGINE_DIR": str(engine_dir),
-        "DISAGG_BUILD_DIR": str(tmp_path),
-        "DISAGG_HTTP_PORT": str(http),
-        "DISAGG_GRPC_PORT": str(grpc),
-        "DISAGG_METRICS_PORT": str(metrics),
-        "DISAGG_GATEWAY_PORT": str(gateway),
-        "DISAGG_DECODE_MAX_NUM_SEQS": "4",
-    }
+    env, ports = serve_env(engine_dir, tmp_path, decode_max_num_seqs=4)
+    http = ports["http"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "disagg", "cluster", "--prefill", "1", "--decode", "1",
          "--base-port", str(base)],

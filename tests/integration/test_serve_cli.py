@@ -14,26 +14,16 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers.triton_server import serve_env
 
-from disagg.serve.server import free_ports
 from disagg.serve.supervisor import stub_processes
 
 pytestmark = pytest.mark.integration
 
 
 def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path):
-    http, grpc, metrics, gateway = free_ports(4)
-    env = {
-        **os.environ,
-        "DISAGG_ENGINE_DIR": str(engine_dir),
-        "DISAGG_BUILD_DIR": str(tmp_path),
-        "DISAGG_HTTP_PORT": str(http),
-        "DISAGG_GRPC_PORT": str(grpc),
-        "DISAGG_METRICS_PORT": str(metrics),
-        "DISAGG_GATEWAY_PORT": str(gateway),
-        "DISAGG_DECODE_MAX_NUM_SEQS": "2",
-        "DISAGG_RECOVER_TIMEOUT_S": str(RECOVER_S),
-    }
+    env, ports = serve_env(engine_dir, tmp_path, decode_max_num_seqs=2, recover_timeout_s=RECOVER_S)
+    http, grpc, gateway = ports["http"], ports["grpc"], ports["gateway"]
     env.pop("DISAGG_ADMIN_KEY", None)
     env.pop("DISAGG_API_KEYS", None)
     proc = subprocess.Popen(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -94,23 +93,22 @@ def test_services_select_pods_and_target_their_ports(rendered):
         assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
-def _settings(docs, env: dict) -> ServeSettings:
+def _settings(docs, env: dict, tmp_path: Path) -> ServeSettings:
+    """What a pod loads: the ConfigMap's serve.toml and its Deployment's variables."""
     (cm,) = by_kind(docs, "ConfigMap")
-    text = cm["data"]["serve.toml"]
-    tomllib.loads(text)
-    path = Path("/tmp") / f"k8s-serve-{abs(hash(text))}.toml"
-    path.write_text(text)
+    path = tmp_path / "serve.toml"
+    path.write_text(cm["data"]["serve.toml"])
     return ServeSettings.load(path, env=env)
 
 
-def test_ports_probes_and_roles_match_the_settings_the_pods_load(rendered):
+def test_ports_probes_and_roles_match_the_settings_the_pods_load(rendered, tmp_path):
     overlay, docs = rendered
     for dep in by_kind(docs, "Deployment"):
         (c,) = dep["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value", "x" * 32) for e in c["env"]}
         role = c["command"][c["command"].index("--role") + 1]
         assert dep["metadata"]["name"] == f"disagg-{role}"
-        s = _settings(docs, {**env, "DISAGG_ROLE": role})
+        s = _settings(docs, {**env, "DISAGG_ROLE": role}, tmp_path)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert (ports["http"], ports["grpc"], ports["metrics"]) == (
             s.http_port, s.grpc_port, s.metrics_port,

@@ -11,6 +11,7 @@ report   the tables and plots again from saved results
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -79,8 +80,29 @@ def cmd_run(args) -> int:
     return 0
 
 
-def cmd_compare(args) -> int:
+@contextlib.contextmanager
+def _mode_server(base, mode: str, out_dir: Path):
+    """One server in serving mode `mode`, ready, stopped afterwards."""
     from disagg.serve.server import TritonServer, free_ports
+
+    http, grpc, metrics = free_ports(3)
+    settings = replace(
+        base, mode=mode, http_port=http, grpc_port=grpc, metrics_port=metrics,
+        build_dir=str(out_dir / "triton"), gateway_enabled=False,
+    )  # fmt: skip
+    server = TritonServer(settings)
+    server.start()
+    try:
+        server.wait_ready(timeout_s=300)
+        yield server
+    finally:
+        server.stop()
+
+
+def sweep_each(args, serve, what: str) -> None:
+    """For each workload and each name in args.modes: `serve(base, name, out_dir)` (a context
+    manager) gives the server requests go to; one sweep against it, saved as
+    <out_dir>/<workload>-<name>.json."""
     from disagg.settings import ServeSettings
 
     out_dir = Path(args.out_dir)
@@ -91,24 +113,18 @@ def cmd_compare(args) -> int:
             workload, _rates(args.rates, workload), args.num_requests, args.warmup, seed=args.seed
         )
         prompts = _prompts(str(base.path("engine_dir")), args.seed)
-        for mode in args.modes.split(","):
-            http, grpc, metrics = free_ports(3)
-            settings = replace(
-                base, mode=mode, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                build_dir=str(out_dir / "triton"), gateway_enabled=False,
-            )  # fmt: skip
-            print(f"== {workload} / {mode}: starting tritonserver", file=sys.stderr)
-            server = TritonServer(settings)
-            server.start()
-            try:
-                server.wait_ready(timeout_s=300)
-                args.url = f"{settings.host}:{grpc}"
-                sweep = run_sweep(_target_factory(args), cfg, prompts, mode)
+        for name in args.modes.split(","):
+            print(f"== {workload} / {name}: starting {what}", file=sys.stderr)
+            with serve(base, name, out_dir) as server:
+                args.url = server.endpoints.grpc
+                sweep = run_sweep(_target_factory(args), cfg, prompts, name)
                 sweep["server"] = _server_counts(server.endpoints.metrics)
-            finally:
-                server.stop()
             sweep["command"] = _command()
-            (out_dir / f"{workload}-{mode}.json").write_text(json.dumps(sweep))
+            (out_dir / f"{workload}-{name}.json").write_text(json.dumps(sweep))
+
+
+def cmd_compare(args) -> int:
+    sweep_each(args, _mode_server, "tritonserver")
     return cmd_report(args)
 
 

@@ -14,10 +14,9 @@ per workload; results, plots and the docs/benchmarks.md section come from report
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import secrets
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,8 +31,9 @@ DOC_BEGIN = "<!-- topologies:begin (written by disagg bench cluster) -->"
 DOC_END = "<!-- topologies:end -->"
 
 
-def start(base, name: str, out_dir: Path):
-    """The servers of topology `name`, ready: (pool servers, frontend)."""
+@contextlib.contextmanager
+def serve(base, name: str, out_dir: Path):
+    """The servers of topology `name`, ready; yields the frontend, stops them all after."""
     from disagg.serve.server import TritonServer, free_ports
 
     os.environ.setdefault(TOKEN_ENV, secrets.token_hex(16))
@@ -62,39 +62,18 @@ def start(base, name: str, out_dir: Path):
             build_dir=str(out_dir / "triton" / f"{name}-frontend"),
         )  # fmt: skip
         frontend = TritonServer(front).start()
-        frontend.wait_ready(timeout_s=300)
-    except BaseException:
+        try:
+            frontend.wait_ready(timeout_s=300)
+            yield frontend
+        finally:
+            frontend.stop()
+    finally:
         for server in pools:
             server.stop()
-        raise
-    return pools, frontend
 
 
 def cmd_cluster(args) -> int:
     from disagg.bench import cli
-    from disagg.bench.sweep import SweepConfig, run_sweep
-    from disagg.settings import ServeSettings
 
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    base = ServeSettings.load(args.config)
-    for workload in args.workloads.split(","):
-        cfg = SweepConfig(
-            workload, cli._rates(args.rates, workload), args.num_requests, args.warmup,
-            seed=args.seed,
-        )  # fmt: skip
-        prompts = cli._prompts(str(base.path("engine_dir")), args.seed)
-        for name in args.modes.split(","):
-            print(f"== {workload} / {name}: starting the topology", file=sys.stderr)
-            pools, frontend = start(base, name, out_dir)
-            try:
-                args.url = frontend.endpoints.grpc
-                sweep = run_sweep(cli._target_factory(args), cfg, prompts, name)
-                sweep["server"] = cli._server_counts(frontend.endpoints.metrics)
-            finally:
-                frontend.stop()
-                for server in pools:
-                    server.stop()
-            sweep["command"] = cli._command()
-            (out_dir / f"{workload}-{name}.json").write_text(json.dumps(sweep))
+    cli.sweep_each(args, serve, "the topology")
     return cli.cmd_report(args, markers=(DOC_BEGIN, DOC_END), image_prefix="topology")
