@@ -19,7 +19,6 @@ from logits copied back, so a seed draws the same tokens on every device.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +28,19 @@ import torch.nn.functional as F
 
 from disagg.config import WEIGHTS_FILE, ModelArgs, load_model_args
 from disagg.errors import ConfigError
+from disagg.kernels import (  # noqa: F401 (bf16_supported, resolve_*: part of this API)
+    CPU,
+    HAS_ONEDNN,
+    Linear,
+    bf16_supported,
+    linear,
+    matmul_dtype,
+    pack,
+    resolve_compute_dtype,
+    resolve_device,
+)
 
 ATTN_BLOCK = 64
-HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 @dataclass
@@ -42,94 +51,6 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [dim]
     w13: Linear  # [2 * hidden, dim]: gate rows, then up rows
     w2: Linear  # [dim, hidden]
-
-
-@dataclass(frozen=True)
-class Linear:
-    """A weight [out, in] in the layout `linear` reads fastest (oneDNN blocked on a CPU that
-    has it, else as it is)."""
-
-    weight: torch.Tensor
-    pad_one_row: bool = False  # compute a single row as two rows (see `linear`)
-    onednn: bool = False
-
-
-def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-
-
-@functools.cache
-def _one_row_differs(shape: tuple[int, int], dtype: torch.dtype) -> bool:
-    """Does oneDNN give one row another result alone than beside a second row? It takes
-    another kernel for M=1 at some shapes (seen here for in=1536): probe once per shape."""
-    g = torch.Generator().manual_seed(0)
-    w = _onednn_pack(torch.randn(shape, generator=g).to(dtype))
-    x = torch.randn(2, shape[1], generator=g).to(dtype)
-    return not torch.equal(_onednn(x[:1], w)[0], _onednn(x, w)[0])
-
-
-def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
-
-
-COMPUTE_DTYPES = ("float32", "bfloat16")
-CPU = torch.device("cpu")
-
-
-def bf16_supported() -> bool:
-    return HAS_ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def resolve_device(name: str) -> torch.device:
-    """ "cpu", "cuda" or "cuda:N", refused clearly where it is not there."""
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device {name!r}: {e}") from e
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be cpu or cuda[:N], got {name!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device {name!r}: this torch sees no CUDA device")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(f"device {name!r}: only {torch.cuda.device_count()} CUDA devices")
-    return device
-
-
-def _matmul_dtype(compute_dtype: str, device: torch.device = CPU) -> torch.dtype:
-    if compute_dtype not in COMPUTE_DTYPES:
-        raise ConfigError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
-    if compute_dtype == "bfloat16":
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise ConfigError("compute_dtype bfloat16 needs a GPU with bf16 (sm80 or newer)")
-        if device.type == "cpu" and not bf16_supported():
-            raise ConfigError(
-                "compute_dtype bfloat16 needs a CPU with native bf16 matmul "
-                "(AVX512-BF16 or AMX); this one has none: use float32"
-            )
-    return torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
-
-
-def pack(w: torch.Tensor, dtype: torch.dtype = torch.float32, onednn: bool = HAS_ONEDNN) -> Linear:
-    w = w.to(dtype)
-    if not onednn:
-        return Linear(w.contiguous())
-    return Linear(_onednn_pack(w), _one_row_differs(tuple(w.shape), dtype), onednn=True)
-
-
-def linear(x: torch.Tensor, lin: Linear) -> torch.Tensor:
-    """x @ w.T for x: [M, in].
-
-    Batch invariant: a row's result does not depend on the other rows, so a sequence decodes
-    to the same tokens alone or in any batch. Where oneDNN's single-row kernel sums in
-    another order, one row is computed as two (the weights are still read once)."""
-    if lin.weight.dtype != x.dtype:  # bf16 weights: bf16 in, fp32 residual stream out
-        return linear(x.to(lin.weight.dtype), lin).float()
-    if not lin.onednn:
-        return F.linear(x, lin.weight)
-    if lin.pad_one_row and x.shape[0] == 1:
-        return _onednn(x.expand(2, -1), lin.weight)[:1]
-    return _onednn(x, lin.weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -212,15 +133,16 @@ class Llama:
         device: str = "cpu",
         onednn: bool | None = None,
     ) -> None:
-        """compute_dtype "bfloat16" stores the layers' matmul weights in bf16 and feeds them
-        bf16 activations (fp32 accumulation; norms, attention, residual stream, KV cache and
-        the LM head stay fp32): 40% fewer bytes per decode step, on CPUs with native bf16.
+        """compute_dtype "bfloat16" ("auto": where the device has native bf16) stores the
+        layers' matmul weights in bf16 and feeds them bf16 activations (fp32 accumulation;
+        norms, attention, residual stream, KV cache and the LM head stay fp32): 40% fewer
+        bytes per decode step, on CPUs with native bf16.
         `onednn` (None: where it helps, the CPU) picks the linear kernels; False on a CPU runs
         the plain path other devices take."""
         self.args = args
-        self.compute_dtype = compute_dtype
         self.device = resolve_device(device)
-        dtype = _matmul_dtype(compute_dtype, self.device)
+        dtype = matmul_dtype(compute_dtype, self.device)
+        self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)
         self.onednn = HAS_ONEDNN and self.device.type == "cpu" if onednn is None else onednn
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]  # [V, dim]
@@ -258,7 +180,7 @@ class Llama:
         if not path.is_file():
             raise ConfigError(f"{path} not found: rebuild the engine")
         # refuse an unusable device or dtype before reading the weights
-        _matmul_dtype(compute_dtype, resolve_device(device))
+        matmul_dtype(compute_dtype, resolve_device(device))
         weights = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
         return cls(args, weights, compute_dtype, device)
 

@@ -1,0 +1,117 @@
+"""The linear kernels and precision choices the model runs on: oneDNN's packed linear on a
+CPU that has it (plain `F.linear` elsewhere), batch invariant; fp32 or bf16 matmuls; devices.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from disagg.errors import ConfigError
+
+HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A weight [out, in] in the layout `linear` reads fastest (oneDNN blocked on a CPU that
+    has it, else as it is)."""
+
+    weight: torch.Tensor
+    pad_one_row: bool = False  # compute a single row as two rows (see `linear`)
+    onednn: bool = False
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+@functools.cache
+def _one_row_differs(shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Does oneDNN give one row another result alone than beside a second row? It takes
+    another kernel for M=1 at some shapes (seen here for in=1536): probe once per shape."""
+    g = torch.Generator().manual_seed(0)
+    w = _onednn_pack(torch.randn(shape, generator=g).to(dtype))
+    x = torch.randn(2, shape[1], generator=g).to(dtype)
+    return not torch.equal(_onednn(x[:1], w)[0], _onednn(x, w)[0])
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+
+
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+CPU = torch.device("cpu")
+
+
+def bf16_supported() -> bool:
+    return HAS_ONEDNN and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_compute_dtype(compute_dtype: str, device: torch.device = CPU) -> str:
+    """ "auto" is bfloat16 on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX: faster
+    and still batch invariant here, docs/benchmarks.md), else float32. On a GPU it stays
+    float32: cuBLAS picks kernels by batch size, and bf16 batch invariance there is not
+    measured yet (deploy/gpu_engine_check.sh). The other names stand for themselves."""
+    if compute_dtype != "auto":
+        return compute_dtype
+    return "bfloat16" if device.type == "cpu" and bf16_supported() else "float32"
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "cpu", "cuda" or "cuda:N", refused clearly where it is not there."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device {name!r}: {e}") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu or cuda[:N], got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r}: this torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {name!r}: only {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def matmul_dtype(compute_dtype: str, device: torch.device = CPU) -> torch.dtype:
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
+    compute_dtype = resolve_compute_dtype(compute_dtype, device)
+    if compute_dtype == "bfloat16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise ConfigError("compute_dtype bfloat16 needs a GPU with bf16 (sm80 or newer)")
+        if device.type == "cpu" and not bf16_supported():
+            raise ConfigError(
+                "compute_dtype bfloat16 needs a CPU with native bf16 matmul "
+                "(AVX512-BF16 or AMX); this one has none: use float32"
+            )
+    return torch.bfloat16 if compute_dtype == "bfloat16" else torch.float32
+
+
+def pack(w: torch.Tensor, dtype: torch.dtype = torch.float32, onednn: bool = HAS_ONEDNN) -> Linear:
+    w = w.to(dtype)
+    if not onednn:
+        return Linear(w.contiguous())
+    # bf16: oneDNN's single-row kernel rounds differently on some inputs only (random probes
+    # pass, real activations do not), so one row always runs as two
+    pad = dtype == torch.bfloat16 or _one_row_differs(tuple(w.shape), dtype)
+    return Linear(_onednn_pack(w), pad, onednn=True)
+
+
+def linear(x: torch.Tensor, lin: Linear) -> torch.Tensor:
+    """x @ w.T for x: [M, in].
+
+    Batch invariant: a row's result does not depend on the other rows, so a sequence decodes
+    to the same tokens alone or in any batch. Where oneDNN's single-row kernel sums in
+    another order, one row is computed as two (the weights are still read once)."""
+    if lin.weight.dtype != x.dtype:  # bf16 weights: bf16 in, fp32 residual stream out
+        return linear(x.to(lin.weight.dtype), lin).float()
+    if not lin.onednn:
+        return F.linear(x, lin.weight)
+    if lin.pad_one_row and x.shape[0] == 1:
+        return _onednn(x.expand(2, -1), lin.weight)[:1]
+    return _onednn(x, lin.weight)
