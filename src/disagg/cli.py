@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--raw", action="store_true", help="plain completion, no chat template")
     g.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="matmul precision (bfloat16 needs a CPU with native bf16)",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="matmul precision (auto: bfloat16 where the CPU has native bf16, else float32)",
     )
     g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
     g.add_argument(

@@ -52,7 +52,7 @@ class LLM:
         engine_dir: str | Path,
         config: EngineConfig | None = None,
         disaggregated: bool = True,
-        compute_dtype: str = "float32",
+        compute_dtype: str = "auto",
         device: str = "cpu",
     ) -> None:
         self.model = Llama.load(engine_dir, compute_dtype, device)
@@ -110,6 +110,10 @@ class LLM:
         with ThreadPoolExecutor(max(len(reqs), 1)) as pool:
             replies = list(pool.map(lambda r: self.orchestrator.run(r, emit=lambda _: None), reqs))
         return [self._completion(r, reply) for r, reply in zip(reqs, replies, strict=True)]
+
+    def close(self) -> None:
+        """Stop the decode loop (requests still running get no more tokens)."""
+        self.service.stop()
 
     def stream(self, prompt: Prompt, params: SamplingParams, chat: bool = True) -> Iterator[str]:
         """Text deltas of one request as they are produced. Closing the iterator early

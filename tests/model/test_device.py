@@ -24,16 +24,18 @@ def test_the_plain_kernel_path_matches_the_cpu_one(engine_dir, llm, tokenizer):
     from disagg.config import WEIGHTS_FILE
 
     weights = {k: v.float() for k, v in load_file(str(engine_dir / WEIGHTS_FILE)).items()}
+    # both fp32 (the served default may be bf16 here: compute_dtype auto)
+    ref = Llama(llm.model.args, weights)
     plain = Llama(llm.model.args, weights, onednn=False)
     prompt = tokenizer.encode("The capital of France is")
-    a, ka, _ = llm.model.prefill(prompt)
+    a, ka, _ = ref.prefill(prompt)
     b, kb, _ = plain.prefill(prompt)
     assert torch.allclose(a, b, atol=1e-3, rtol=1e-3) and torch.allclose(ka, kb, atol=1e-4)
     # greedy decode with a continuous batch on the plain path: same tokens as the default
     config = EngineConfig(max_num_seqs=4, max_model_len=256)
     eos = {tokenizer.eos_token_id}
     outs = []
-    for model in (llm.model, plain):
+    for model in (ref, plain):
         prefill, decode = PrefillEngine(model, config), DecodeEngine(model, config, eos)
         result = prefill.prefill("r", prompt, SamplingParams(max_tokens=12))
         decode.add_request("r", SamplingParams(max_tokens=12), prefill=result)
