@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from disagg.config import EngineConfig
-from disagg.contracts import MODES
+from disagg.contracts import CONDITIONAL, DISAGGREGATED, MODES
 from disagg.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,8 +51,10 @@ class ServeSettings:
     cpus: str = ""
     # ---------------------------------------------------------------- pools
     # "disaggregated": every prompt through the prefill pool; "colocated": decode prefills its
-    # own requests; "conditional": the orchestrator's cost model picks per request
-    mode: str = "disaggregated"
+    # own requests (in chunks beside its batch); "conditional": the orchestrator's cost model
+    # picks per request; "auto": conditional where the pools would share this machine's
+    # cores, disaggregated where prefill has hardware of its own (see `resolved_mode`)
+    mode: str = "auto"
     # conditional mode: the share of a remote prefill's time that still slows decode. 0.5 when
     # both pools share CPU cores (the default CPU setup); 0 for pools on separate GPUs.
     conditional_remote_stall: float = 0.5
@@ -67,7 +69,9 @@ class ServeSettings:
     max_tokens_limit: int = 1024  # largest max_tokens a request may ask for
     max_tokens_default: int = 128  # when a request does not say
     max_batch_size: int = 8  # Triton batch dimension of client-facing models (requests are 1)
-    compute_dtype: str = "float32"  # or "bfloat16": half the weight bytes, CPUs with bf16 only
+    # matmul precision: "auto" is bfloat16 where the CPU (GPU) multiplies bf16 natively, else
+    # float32; bf16 replies differ from fp32 ones after some tokens (docs/benchmarks.md)
+    compute_dtype: str = "auto"
     # where disagg's engine (engine_backend pytorch) runs: "cpu", or "cuda" / "cuda:N"
     device: str = "cpu"
     # the engine of the prefill and decode pools: "pytorch" (disagg's, CPU) or "tensorrt_llm"
@@ -135,9 +139,10 @@ class ServeSettings:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be >= 1")
-        if self.compute_dtype not in ("float32", "bfloat16"):
+        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(
-                f"setting compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}"
+                "setting compute_dtype must be auto, float32 or bfloat16, "
+                f"got {self.compute_dtype!r}"
             )
         if self.engine_backend not in ("pytorch", "tensorrt_llm"):
             raise ConfigError(
@@ -158,8 +163,8 @@ class ServeSettings:
             )
         if self.conditional_remote_stall > 1:
             raise ConfigError("setting conditional_remote_stall must be between 0 and 1")
-        if self.mode not in MODES:
-            raise ConfigError(f"setting mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in ("auto", *MODES):
+            raise ConfigError(f"setting mode must be auto or one of {MODES}, got {self.mode!r}")
         if not 1 <= self.max_tokens_default <= self.max_tokens_limit < self.max_model_len:
             raise ConfigError("need 1 <= max_tokens_default <= max_tokens_limit < max_model_len")
         try:
@@ -171,6 +176,25 @@ class ServeSettings:
                 f"refusing to serve the gateway on {self.host} with gateway_auth off: "
                 "anyone who can reach it could use it"
             )
+
+    def resolved_mode(self) -> tuple[str, str]:
+        """The mode the orchestrator runs, and why. "auto" is disaggregated only where prefill
+        does not take decode's cores: prefill replicas on other servers, or TensorRT-LLM pools
+        on GPUs of their own. Where the pools share cores (one CPU machine, one GPU) every
+        remote prefill still stalls decode and costs a KV hand-off, co-located decode pays
+        for long prompts in slower steps, and the cost model choosing per request served best
+        over the mode comparison's workloads (docs/benchmarks.md): conditional."""
+        if self.mode != "auto":
+            return self.mode, "set"
+        if self.prefill_replicas:
+            return DISAGGREGATED, "prefill runs on its own servers"
+        pre, dec = (
+            set(filter(None, getattr(self, f"trtllm_{p}_devices").split(",")))
+            for p in ("prefill", "decode")
+        )
+        if self.engine_backend == "tensorrt_llm" and pre and dec and not pre & dec:
+            return DISAGGREGATED, "prefill and decode have GPUs of their own"
+        return CONDITIONAL, "prefill and decode would share this machine's cores"
 
     @property
     def kv_pull(self) -> bool:
@@ -300,6 +324,7 @@ def template_values(s: ServeSettings, run_dir: Path) -> dict[str, str]:
             values[model] = str(s.path(model))
     values["run_dir"] = str(run_dir)
     values["kv_pull"] = str(s.kv_pull).lower()
+    values["mode"] = s.resolved_mode()[0]
     return values
 
 

@@ -9,10 +9,14 @@ from disagg.serve.server import free_ports
 
 
 def server_settings(engine_dir, build_dir, **overrides):
-    """Test settings: free ports, small limits (sized for this machine beside a test run)."""
+    """Test settings: free ports, small limits (sized for this machine beside a test run),
+    and the disaggregated pipeline unless a test asks for another mode: what the tests check
+    is the prefill/decode separation. The default mode ("auto": co-located on one machine)
+    is served by tests/integration/test_serve_cli.py and resolved in tests/unit."""
     from disagg.settings import ServeSettings
 
     http, grpc, metrics = free_ports(3)
+    overrides.setdefault("mode", "disaggregated")
     return ServeSettings(
         engine_dir=str(engine_dir),
         build_dir=str(build_dir),

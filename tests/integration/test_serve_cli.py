@@ -42,6 +42,8 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         banner = "".join(lines)
         assert f"http://127.0.0.1:{http}" in banner and f"127.0.0.1:{grpc}" in banner
         assert "curl" in banner and "admin-key: " in banner
+        # mode auto on one machine: conditional (the cost model picks per request)
+        assert re.search(r"mode\s+conditional \(prefill and decode would share", banner), banner
         body = json.dumps({"text_input": "Hi", "apply_chat_template": True, "max_tokens": 4})
         req = urllib.request.Request(
             f"http://127.0.0.1:{http}/v2/models/ensemble/generate", data=body.encode()

@@ -40,6 +40,46 @@ def test_bad_settings_fail_loudly(tmp_path, toml, env, msg):
         ServeSettings.load(path, env=env)
 
 
+@pytest.mark.parametrize(
+    "settings, mode, why",
+    [
+        ({}, "conditional", "share this machine's cores"),
+        ({"cpus": "0-1", "prefill_instances": 2}, "conditional", "share"),
+        ({"prefill_replicas": "10.0.0.2:8001"}, "disaggregated", "its own servers"),
+        ({"role": "frontend", "decode_replicas": "10.0.0.3:8001"}, "conditional", "share"),
+        (
+            {"engine_backend": "tensorrt_llm", "trtllm_prefill_devices": "0",
+             "trtllm_decode_devices": "1"},
+            "disaggregated", "GPUs of their own",
+        ),
+        (
+            {"engine_backend": "tensorrt_llm", "trtllm_prefill_devices": "0,1",
+             "trtllm_decode_devices": "1"},
+            "conditional", "share",
+        ),
+        ({"engine_backend": "tensorrt_llm"}, "conditional", "share"),
+        ({"mode": "disaggregated"}, "disaggregated", "set"),
+        ({"mode": "conditional", "prefill_replicas": "h:1"}, "conditional", "set"),
+    ],
+)  # fmt: skip
+def test_mode_auto_is_disaggregated_only_where_prefill_has_hardware_of_its_own(
+    tmp_path, settings, mode, why
+):
+    s = ServeSettings(**settings)
+    assert ServeSettings().mode == "auto"
+    got, reason = s.resolved_mode()
+    assert got == mode and why in reason
+    assert template_values(s, tmp_path)["mode"] == mode  # what the orchestrator is given
+
+
+def test_compute_dtype_defaults_to_auto_and_refuses_others():
+    assert ServeSettings().compute_dtype == "auto"
+    for ok in ("auto", "float32", "bfloat16"):
+        ServeSettings(compute_dtype=ok)
+    with pytest.raises(ConfigError, match="auto, float32 or bfloat16"):
+        ServeSettings(compute_dtype="float16")
+
+
 def test_a_template_key_without_a_setting_is_refused():
     with pytest.raises(ConfigError, match=r"\['pool_size'\]"):
         render_config('count: ${pool_size}\nname: "${engine_dir}"', {"engine_dir": "/e"}, "x")

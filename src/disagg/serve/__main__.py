@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV
 from disagg.errors import ConfigError
@@ -108,10 +109,26 @@ def main(argv: list[str] | None = None) -> int:
     return supervise(settings, server, gateway)
 
 
+def _dtype(settings) -> str:
+    if settings.compute_dtype != "auto" or settings.engine_backend != "pytorch":
+        return settings.compute_dtype
+    if settings.device != "cpu":
+        return "auto"
+    try:  # what the models decide with torch, read from the CPU flags without it
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "auto"
+    native = any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+    return "auto: bfloat16" if native else "auto: float32"
+
+
 def print_banner(settings, gateway, e) -> None:
+    mode, why = settings.resolved_mode()
+    why = "" if why == "set" else f" ({why}; DISAGG_MODE= sets another)"
     print(f"""
-disagg is serving {settings.engine_dir} ({settings.mode}: {settings.prefill_instances} prefill,
-{settings.decode_instances} decode instance(s))
+disagg is serving {settings.engine_dir} ({settings.prefill_instances} prefill,
+{settings.decode_instances} decode instance(s); compute dtype {_dtype(settings)})
+  mode     {mode}{why}
   OpenAI   {gateway.url}/v1   (chat/completions, completions, models)
   HTTP     {e.http}   (KServe v2, /v2/models/ensemble/generate, generate_stream)
   gRPC     {e.grpc}
