@@ -224,9 +224,20 @@ class DecodeEngine:
 
     def _prefill_chunks(self, outputs: list[TokenOutput]) -> list[Sequence]:
         """Advance the prompts decode prefills in chunks, oldest first, within this step's
-        token budget. Returns the ones whose first token already ends them."""
-        budget, done = self.config.prefill_chunk_tokens, []
-        for seq in [s for s in self.scheduler.running if s.prefilling]:
+        token budget. Returns the ones whose first token already ends them.
+
+        Chunks protect a running batch from prompts: a step's chunk delays every decoding
+        sequence once, each waiting prompt waits for every step its prefill takes. While
+        fewer sequences decode than prompts wait (a burst of arrivals), the prompts are the
+        many: they are prefilled whole this step, and the batch they join decodes at full
+        size sooner; otherwise `prefill_chunk_tokens` a step."""
+        prefilling = [s for s in self.scheduler.running if s.prefilling]
+        decoding = len(self.scheduler.running) - len(prefilling)
+        budget = self.config.prefill_chunk_tokens
+        if decoding < len(prefilling):
+            budget = sum(len(self._prompts[s.request_id]) - s.prefill_pos for s in prefilling)
+        done: list[Sequence] = []
+        for seq in prefilling:
             if budget <= 0:
                 break
             prompt = self._prompts[seq.request_id]

@@ -107,3 +107,29 @@ def test_what_chunking_changes_in_greedy_replies(llm):
         while engine.has_unfinished:
             disagg += [o.token_id for o in engine.step() if o.token_id is not None]
         assert chunked == disagg, n
+
+
+def test_a_burst_of_prompts_beside_fewer_decoding_sequences_is_prefilled_whole(llm):
+    """Three 300-token prompts arrive while one sequence decodes: the prompts are the many,
+    so all three are prefilled in the next step (not 8 steps of 128 tokens one after the
+    other), and their replies are the ones each gets prefilled alone. One long prompt beside
+    a running sequence keeps the plain chunk (the tests above)."""
+    engine, _ = _engine(llm)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.add_request("run", SamplingParams(max_tokens=40, ignore_eos=True),
+                       prompt_ids=llm.encode("Tell me about the sea."))  # fmt: skip
+    engine.step()
+    burst = [long_prompt(llm, 300)[i:] + [11] * i for i in range(3)]  # 300 tokens each
+    for i, prompt in enumerate(burst):
+        engine.add_request(f"b{i}", params, prompt_ids=prompt)
+    got: dict[str, list[int]] = {f"b{i}": [] for i in range(3)}
+    for o in engine.step():
+        if o.request_id in got and o.token_id is not None:
+            got[o.request_id].append(o.token_id)
+    assert all(len(t) == 1 for t in got.values()), got  # every first token in one step
+    while engine.has_unfinished:
+        for o in engine.step():
+            if o.request_id in got and o.token_id is not None:
+                got[o.request_id].append(o.token_id)
+    for i, prompt in enumerate(burst):
+        assert got[f"b{i}"] == _decode_alone(llm, prompt, params), i
