@@ -65,6 +65,9 @@ class ServeSettings:
     # prompt tokens a decode instance prefills itself per step (co-located, fallback,
     # migration), beside its running batch; a longer prompt takes several steps
     decode_prefill_chunk: int = 64  # benchmarks/itl_bench.py: p99 ITL <= 2x p50 under long prompts
+    # under load (over half of decode_max_num_seqs running) each response carries this many
+    # tokens, sent every this many steps; otherwise every token goes out as it is made
+    decode_stream_interval: int = 2  # benchmarks/served_bench.py
     max_model_len: int = 2048  # prompt + output tokens
     max_tokens_limit: int = 1024  # largest max_tokens a request may ask for
     max_tokens_default: int = 128  # when a request does not say
@@ -134,6 +137,7 @@ class ServeSettings:
             "decode_instances",
             "tokenizer_instances",
             "decode_max_num_seqs",
+            "decode_stream_interval",
             "max_batch_size",
             "orchestrator_max_concurrency",
         ):

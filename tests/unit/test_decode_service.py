@@ -135,3 +135,74 @@ def test_a_send_that_never_returns_trips_the_watchdog():
     ).start()
     service.submit("r", SamplingParams(max_tokens=1), BlockingSink(), prompt_ids=[1])
     assert stuck.wait(5)  # in production: the process exits and the supervisor restarts it
+
+
+class CountingEngine:
+    """Each request makes one token per step until it has `max_tokens`; `running` is what
+    stats() reports (the load the stream interval looks at)."""
+
+    def __init__(self, running: int) -> None:
+        self.left: dict[str, int] = {}
+        self.made: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.running = running
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.left)
+
+    def add_request(self, rid, params, prefill=None, prompt_ids=None):
+        with self.lock:
+            self.left[rid], self.made[rid] = params.max_tokens, 0
+
+    def finish_request(self, rid, reason=FinishReason.ABORT):
+        pass
+
+    def step(self):
+        out = []
+        with self.lock:
+            for rid in list(self.left):
+                self.left[rid] -= 1
+                self.made[rid] += 1
+                done = FinishReason.LENGTH if self.left[rid] == 0 else None
+                out.append(TokenOutput(rid, 100 + self.made[rid], self.made[rid] - 1, done))
+                if done:
+                    del self.left[rid]
+        return out
+
+    def stats(self):
+        return DecodeStats(num_running=self.running, num_waiting=0)
+
+
+@pytest.mark.parametrize(
+    "running, want",
+    [
+        # over half of 8 slots busy: first token at once, then 3 per response, the rest final
+        (5, [[101], [102, 103, 104], [105, 106, 107], [108, 109, 110]]),
+        (4, [[101], [102], [103], [104], [105], [106], [107], [108], [109], [110]]),  # light
+    ],
+)
+def test_under_load_several_tokens_go_out_per_response_none_lost(running, want):
+    service = DecodeService(CountingEngine(running), stream_interval=3, batch_slots=8).start()
+    try:
+        sink = OrderSink()
+        service.submit("r", SamplingParams(max_tokens=10), sink, prompt_ids=[1])
+        assert sink.done.wait(5)
+        assert sink.events[0] == ([], None)  # the acknowledgement
+        assert [tokens for tokens, _ in sink.events[1:]] == want
+        assert [f for _, f in sink.events[1:]] == [None] * (len(want) - 1) + ["length"]
+    finally:
+        service.stop()
+
+
+def test_held_tokens_go_out_when_the_load_drops():
+    engine = CountingEngine(running=8)
+    service = DecodeService(engine, stream_interval=4, batch_slots=8)
+    sink = OrderSink()
+    service.submit("r", SamplingParams(max_tokens=10), sink, prompt_ids=[1])
+    for _ in range(3):  # driven by hand: first token, then two held
+        service._deliver(engine.step())
+    assert [t for t, _ in sink.events[1:]] == [[101]]
+    engine.running = 2
+    service._deliver(engine.step())
+    assert [t for t, _ in sink.events[1:]] == [[101], [102, 103, 104]]

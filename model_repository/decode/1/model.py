@@ -36,7 +36,13 @@ class TritonPythonModel:
         self.max_num_seqs = p.decode_max_num_seqs
         self.kv_bytes_per_token = max(load_model_args(p.engine_dir).kv_bytes_per_token, 1)
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
-        self.service = DecodeService(engine, cancels, on_step=self.metrics.on_step).start()
+        self.service = DecodeService(
+            engine,
+            cancels,
+            on_step=self.metrics.on_step,
+            stream_interval=p.decode_stream_interval,
+            batch_slots=p.decode_max_num_seqs,
+        ).start()
         self.pid = os.getpid()
 
     def _load(self) -> tuple[int, int, int, int]:

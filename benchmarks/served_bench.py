@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""What a user gets through the server against what the engine does in one process, per
+serving mode, through Triton gRPC (the router model, streamed) and the OpenAI gateway (SSE),
+in one run.
+
+Workload (issue 16): 16 streams at once, ~150-token prompts, 64 output tokens each, greedy,
+ignore_eos; and one stream alone, 128 tokens, for the inter-token latency (ITL). The engine
+reference is the in-process `LLM` on the same prompts (co-located: decode prefills in chunks
+beside its batch; and disaggregated: prefill engine -> KV hand-off -> decode engine). Each
+mode's server is started in turn; inside a mode, engine and entry points take turns round
+after round (the median round is reported). During each served 16-stream run the CPU time
+of every process is read from /proc: where the time goes.
+
+Prints tables, writes results/served_bench.json and results/served_bench.png.
+
+    python benchmarks/served_bench.py [--modes colocated disaggregated conditional] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from disagg.bench.runner import GatewayTarget, TritonTarget, run_open_loop
+from disagg.bench.workloads import PromptMaker, RequestSpec
+from disagg.llm import LLM
+from disagg.sequence import SamplingParams
+from disagg.serve.gateway_process import GatewayProcess
+from disagg.serve.server import TritonServer, free_ports
+from disagg.settings import ServeSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "served-bench-key"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------ per-process CPU
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    return kids
+
+
+def _label(pid: int) -> str:
+    """tritonserver, a model's stub (by its model directory), or the process's name."""
+    try:
+        argv = (Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))[:3]
+    except OSError:
+        return "?"
+    text = [a.decode(errors="replace") for a in argv]
+    if text and text[0].endswith("triton_python_backend_stub") and len(text) > 1:
+        parts = Path(text[1]).parts  # <repo>/<model>/<version>/model.py
+        return f"stub:{parts[-3]}" if len(parts) >= 3 else "stub"
+    return Path(text[0]).name if text else "?"
+
+
+def cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each root process and its descendants, summed
+    per label."""
+    kids = _children()
+    out: dict[str, float] = {}
+    for name, root in roots.items():
+        todo = [root]
+        while todo:
+            pid = todo.pop()
+            todo += kids.get(pid, [])
+            try:
+                f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            label = name if pid == root else _label(pid)
+            out[label] = out.get(label, 0.0) + (int(f[11]) + int(f[12])) / CLK_TCK
+    return out
+
+
+# ------------------------------------------------------------------ the runs
+@dataclasses.dataclass
+class Run:
+    tok_s: float = 0.0
+    itl_p50_ms: float = 0.0
+    itl_p99_ms: float = 0.0
+    tokens: int = 0
+    errors: int = 0
+    cpu_s: dict = dataclasses.field(default_factory=dict)
+
+
+def _itl(itls: list[float]) -> tuple[float, float]:
+    if not itls:
+        return 0.0, 0.0
+    s = sorted(itls)
+    return statistics.median(s) * 1e3, s[min(len(s) - 1, int(0.99 * len(s)))] * 1e3
+
+
+def engine_run(llm: LLM, prompts: list[str], max_tokens: int) -> Run:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if len(prompts) > 1:
+        t = time.perf_counter()
+        comps = llm.generate(prompts, params, chat=False)
+        tokens = sum(len(c.token_ids) for c in comps)
+        return Run(tok_s=tokens / (time.perf_counter() - t), tokens=tokens)
+    stamps = [time.perf_counter()]
+    for _ in llm.stream(prompts[0], params, chat=False):
+        stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps[1:], stamps[2:], strict=False)]  # after the 1st
+    p50, p99 = _itl(gaps)
+    return Run(
+        tok_s=max_tokens / (stamps[-1] - stamps[0]), itl_p50_ms=p50, itl_p99_ms=p99,
+        tokens=max_tokens,
+    )  # fmt: skip
+
+
+def served_run(target_factory, prompts: list[str], max_tokens: int, roots=None) -> Run:
+    specs = [RequestSpec(i, "bench", 0.0, 150, max_tokens, {}) for i in range(len(prompts))]
+
+    async def go():
+        target = target_factory()
+        try:
+            return await run_open_loop(target, specs, lambda s: prompts[s.index])
+        finally:
+            await target.close()
+
+    before = cpu_seconds(roots) if roots else {}
+    t = time.perf_counter()
+    timelines = asyncio.run(go())
+    wall = time.perf_counter() - t
+    after = cpu_seconds(roots) if roots else {}
+    ok = [tl for tl in timelines if tl.ok]
+    tokens = sum(tl.output_tokens for tl in ok)
+    p50, p99 = _itl([x for tl in ok for x in tl.itls()])
+    return Run(
+        tok_s=tokens / wall, itl_p50_ms=p50, itl_p99_ms=p99, tokens=tokens,
+        errors=len(timelines) - len(ok),
+        cpu_s={k: round(v - before.get(k, 0.0), 2) for k, v in after.items()} | {"wall": wall},
+    )  # fmt: skip
+
+
+def server_settings(spec: str) -> ServeSettings:
+    """ "colocated" or "colocated:decode_stream_interval=2,decode_prefill_chunk=128": a mode
+    and settings of its own, over the DISAGG_<SETTING> variables (as for make serve)."""
+    mode, _, extra = spec.partition(":")
+    env = dict(os.environ, DISAGG_MODE=mode)
+    for item in filter(None, extra.split(",")):
+        key, _, value = item.partition("=")
+        env[f"DISAGG_{key.strip().upper()}"] = value.strip()
+    return ServeSettings.load(env=env)
+
+
+def measure_mode(spec: str, a, prompts: list[str], engines: dict[str, LLM]) -> dict:
+    http, grpc, metrics, gw = free_ports(4)
+    settings = dataclasses.replace(
+        server_settings(spec),
+        engine_dir=a.engine_dir, build_dir=tempfile.mkdtemp(),
+        http_port=http, grpc_port=grpc, metrics_port=metrics, gateway_port=gw,
+        decode_max_num_seqs=max(16, a.concurrency),
+    )  # fmt: skip
+    print(f"== {spec}: starting tritonserver and the gateway", flush=True)
+    with TritonServer(settings) as server:
+        gateway = GatewayProcess(settings, env={"DISAGG_API_KEYS": API_KEY}).start()
+        try:
+            gateway.wait_ready(timeout_s=60)
+            url = server.endpoints.grpc
+            targets = {
+                "triton-grpc": lambda: TritonTarget(url, "router"),
+                "gateway": lambda: GatewayTarget(gateway.url, settings.served_model_name, API_KEY),
+            }
+            roots = {"tritonserver": server.proc.pid, "gateway": gateway.proc.pid}
+            many, one = prompts[: a.concurrency], prompts[:1]
+            for f in targets.values():  # warm-up: shared memory, caches, connections
+                served_run(f, many, 8)
+            rounds = []
+            for r in range(a.rounds):
+                print(f"   round {r + 1}/{a.rounds}", flush=True)
+                rd: dict = {}
+                for name, llm in engines.items():
+                    rd[f"engine-{name}"] = {
+                        "c16": engine_run(llm, many, a.max_tokens),
+                        "c1": engine_run(llm, one, a.alone_tokens),
+                    }
+                for name, f in targets.items():
+                    rd[name] = {
+                        "c16": served_run(f, many, a.max_tokens, roots),
+                        "c1": served_run(f, one, a.alone_tokens),
+                    }
+                rounds.append(rd)
+        finally:
+            gateway.stop()
+    return {"settings": dataclasses.asdict(settings), "rounds": rounds}
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """Per entry and load: the run whose tok/s is the median over rounds."""
+    out: dict = {}
+    for entry in rounds[0]:
+        out[entry] = {}
+        for load in ("c16", "c1"):
+            runs = sorted((rd[entry][load] for rd in rounds), key=lambda r: r.tok_s)
+            out[entry][load] = runs[len(runs) // 2]
+    return out
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(summary)
+    entries = [e for e in next(iter(summary.values())) if not e.startswith("engine")]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    w = 0.8 / (len(entries) + 1)
+    for j, entry in enumerate(["engine", *entries]):
+        xs = [i + j * w for i in range(len(modes))]
+        key = "best_engine" if entry == "engine" else entry
+        ax1.bar(xs, [summary[m][key]["c16"].tok_s for m in modes], w, label=entry)
+        ax2.bar(xs, [summary[m][key]["c1"].itl_p50_ms for m in modes], w, label=entry)
+    for ax, title in ((ax1, "16 streams: output tok/s"), (ax2, "1 stream: ITL p50 (ms)")):
+        ax.set_xticks([i + w * len(entries) / 2 for i in range(len(modes))], modes)
+        ax.set_title(title)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--engine-dir", default="engines/smollm2-135m-instruct")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["colocated", "disaggregated", "conditional"],
+        help="servers to run, each a mode with settings of its own if given, e.g. "
+        "colocated:decode_stream_interval=2",
+    )
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--alone-tokens", type=int, default=128)
+    p.add_argument("--out", default=str(ROOT / "results" / "served_bench.json"))
+    a = p.parse_args()
+    print("loading the in-process engines ...", flush=True)
+    dtype = ServeSettings.load().compute_dtype  # DISAGG_COMPUTE_DTYPE, as the server takes it
+    engines = {
+        "colocated": LLM(a.engine_dir, disaggregated=False, compute_dtype=dtype),
+        "disaggregated": LLM(a.engine_dir, disaggregated=True, compute_dtype=dtype),
+    }
+    maker = PromptMaker(engines["colocated"].tokenizer, seed=0)
+    prompts = [maker.text(150, i) for i in range(a.concurrency)]
+    for llm in engines.values():
+        engine_run(llm, prompts, 8)  # warm-up
+    res: dict = {
+        "command": " ".join(sys.argv),
+        "threads": torch.get_num_threads(),
+        "compute_dtype": engines["colocated"].model.compute_dtype,
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("DISAGG_", "OMP_"))},
+        "modes": {},
+    }
+    summary = {}
+    for mode in a.modes:
+        m = measure_mode(mode, a, prompts, engines)
+        med = median_round(m["rounds"])
+        # the engine to match: the faster in-process engine at 16 streams, and the shorter
+        # one-stream ITL (both decode one sequence the same way: its step)
+        names = [k for k in med if k.startswith("engine-")]
+        best = max(names, key=lambda k: med[k]["c16"].tok_s)
+        step = min(names, key=lambda k: med[k]["c1"].itl_p50_ms)
+        med["best_engine"] = {"c16": med[best]["c16"], "c1": med[step]["c1"]}
+        summary[mode] = med
+        res["modes"][mode] = {
+            "rounds": [
+                {e: {k: dataclasses.asdict(v) for k, v in r.items()} for e, r in rd.items()}
+                for rd in m["rounds"]
+            ],
+            "best_engine": best,
+        }
+    for e in engines.values():
+        e.close()
+
+    print(
+        f"\n{a.concurrency} streams x {a.max_tokens} tokens (~150-token prompts) and 1 stream x "
+        f"{a.alone_tokens}, greedy, ignore_eos; {res['compute_dtype']}, median of {a.rounds} "
+        "rounds"
+    )
+    print("| mode | entry | tok/s @16 | vs engine | ITL p50/p99 ms @16 | ITL p50 ms @1 | vs engine "
+          "| errors |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, med in summary.items():
+        eng = med["best_engine"]
+        for entry, runs in med.items():
+            if entry == "best_engine":
+                continue
+            c16, c1 = runs["c16"], runs["c1"]
+            print(
+                f"| {mode} | {entry} | {c16.tok_s:.1f} | {c16.tok_s / eng['c16'].tok_s:.0%} "
+                f"| {c16.itl_p50_ms:.0f} / {c16.itl_p99_ms:.0f} | {c1.itl_p50_ms:.1f} "
+                f"| {c1.itl_p50_ms / eng['c1'].itl_p50_ms:.2f}x | {c16.errors + c1.errors} |"
+            )
+    print("\nCPU seconds per process during the 16-stream runs (median round):")
+    for mode, med in summary.items():
+        for entry in ("triton-grpc", "gateway"):
+            cpu = dict(med[entry]["c16"].cpu_s)
+            wall = cpu.pop("wall")
+            top = sorted(cpu.items(), key=lambda kv: -kv[1])
+            cells = ", ".join(f"{k} {v:.1f}" for k, v in top if v >= 0.05)
+            cores = len(os.sched_getaffinity(0))
+            print(f"  {mode} / {entry} ({wall:.1f} s wall = {cores * wall:.1f} core-s): {cells}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    plot(summary, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
