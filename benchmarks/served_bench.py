@@ -221,16 +221,17 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     modes = list(summary)
-    entries = [e for e in next(iter(summary.values())) if not e.startswith("engine")]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    w = 0.8 / (len(entries) + 1)
-    for j, entry in enumerate(["engine", *entries]):
+    entries = ["engine", "triton-grpc", "gateway"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    w = 0.8 / len(entries)
+    for j, entry in enumerate(entries):
         xs = [i + j * w for i in range(len(modes))]
         key = "best_engine" if entry == "engine" else entry
         ax1.bar(xs, [summary[m][key]["c16"].tok_s for m in modes], w, label=entry)
         ax2.bar(xs, [summary[m][key]["c1"].itl_p50_ms for m in modes], w, label=entry)
+    labels = [m.replace(":decode_stream_interval=", "\ninterval ") for m in modes]
     for ax, title in ((ax1, "16 streams: output tok/s"), (ax2, "1 stream: ITL p50 (ms)")):
-        ax.set_xticks([i + w * len(entries) / 2 for i in range(len(modes))], modes)
+        ax.set_xticks([i + w for i in range(len(modes))], labels, fontsize=8)
         ax.set_title(title)
     ax1.legend(fontsize=8)
     fig.tight_layout()

@@ -6,7 +6,7 @@ remains is summation order). Seen here: about 1e-4."""
 import pytest
 import torch
 
-from disagg.model import KVCacheSlots
+from disagg.model import KVCacheSlots, Llama
 
 pytestmark = pytest.mark.model
 
@@ -32,33 +32,41 @@ def reference():
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def fp32(llm, engine_dir):
+    """Our model in fp32, like the reference (the served default may be bf16 here)."""
+    if llm.model.compute_dtype == "float32":
+        return llm.model
+    return Llama.load(engine_dir, "float32", str(llm.model.device))
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_prefill_logits_match_at_every_position(llm, reference, prompt):
+def test_prefill_logits_match_at_every_position(llm, fp32, reference, prompt):
     ids = llm.tokenizer.encode(prompt)
     with torch.no_grad():
         ref = reference(torch.tensor([ids])).logits[0]  # [S, V]
-    ours, _, _ = llm.model.prefill(ids, all_logits=True)
+    ours, _, _ = fp32.prefill(ids, all_logits=True)
     assert ours.shape == ref.shape
     assert (ours - ref).abs().max().item() <= ATOL
-    last, _, _ = llm.model.prefill(ids)  # the serving path computes the last position only
+    last, _, _ = fp32.prefill(ids)  # the serving path computes the last position only
     assert torch.equal(last, ours[-1]) or (last - ref[-1]).abs().max().item() <= ATOL
 
 
-def test_decode_logits_match_with_a_batch_of_different_lengths(llm, reference):
+def test_decode_logits_match_with_a_batch_of_different_lengths(llm, fp32, reference):
     """Prefill part of each prompt, then decode the rest token by token, all prompts in one
     batch at different positions: every step's logits match the reference."""
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
-    cache = KVCacheSlots(llm.model.args, max_slots=len(prompts), max_len=128)
+    cache = KVCacheSlots(fp32.args, max_slots=len(prompts), max_len=128)
     refs = []
     for slot, ids in enumerate(prompts):
         with torch.no_grad():
             refs.append(reference(torch.tensor([ids])).logits[0])
-        _, k, v = llm.model.prefill(ids[:-4])
+        _, k, v = fp32.prefill(ids[:-4])
         cache.write(slot, k.numpy(), v.numpy())
     for step in range(4):
         pos = torch.tensor([len(ids) - 4 + step for ids in prompts])
         tokens = torch.tensor([ids[p] for ids, p in zip(prompts, pos.tolist(), strict=True)])
-        out = llm.model.decode(tokens, pos, cache)
+        out = fp32.decode(tokens, pos, cache)
         for b, ref in enumerate(refs):
             assert (out[b] - ref[pos[b]]).abs().max().item() <= ATOL
 
