@@ -37,6 +37,7 @@ from disagg.llm import LLM
 from disagg.sequence import SamplingParams
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
+from disagg.serve.supervisor import stub_processes
 from disagg.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,47 +46,21 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 # ------------------------------------------------------------------ per-process CPU
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    return kids
-
-
-def _label(pid: int) -> str:
-    """tritonserver, a model's stub (by its model directory), or the process's name."""
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process so far; 0 if it is gone."""
     try:
-        argv = (Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"))[:3]
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return "?"
-    text = [a.decode(errors="replace") for a in argv]
-    if text and text[0].endswith("triton_python_backend_stub") and len(text) > 1:
-        parts = Path(text[1]).parts  # <repo>/<model>/<version>/model.py
-        return f"stub:{parts[-3]}" if len(parts) >= 3 else "stub"
-    return Path(text[0]).name if text else "?"
+        return 0.0
+    return (int(f[11]) + int(f[12])) / CLK_TCK
 
 
 def cpu_seconds(roots: dict[str, int]) -> dict[str, float]:
-    """CPU seconds (user + system) so far of each root process and its descendants, summed
-    per label."""
-    kids = _children()
-    out: dict[str, float] = {}
-    for name, root in roots.items():
-        todo = [root]
-        while todo:
-            pid = todo.pop()
-            todo += kids.get(pid, [])
-            try:
-                f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            label = name if pid == root else _label(pid)
-            out[label] = out.get(label, 0.0) + (int(f[11]) + int(f[12])) / CLK_TCK
+    """CPU seconds so far of each named process, and of every model stub of the one named
+    tritonserver (labelled stub:<model>, summed over a model's instances)."""
+    out = {name: _cpu(pid) for name, pid in roots.items()}
+    for pid, (model, _) in stub_processes(roots["tritonserver"]).items():
+        out[f"stub:{model}"] = out.get(f"stub:{model}", 0.0) + _cpu(pid)
     return out
 
 
@@ -311,7 +286,7 @@ def main() -> int:
                 f"| {c16.itl_p50_ms:.0f} / {c16.itl_p99_ms:.0f} | {c1.itl_p50_ms:.1f} "
                 f"| {c1.itl_p50_ms / eng['c1'].itl_p50_ms:.2f}x | {c16.errors + c1.errors} |"
             )
-    print("\nCPU seconds per process during the 16-stream runs (median round):")
+    print(f"\nCPU seconds per process during the {a.concurrency}-stream runs (median round):")
     for mode, med in summary.items():
         for entry in ("triton-grpc", "gateway"):
             cpu = dict(med[entry]["c16"].cpu_s)

@@ -201,8 +201,8 @@ def test_held_tokens_go_out_when_the_load_drops():
     sink = OrderSink()
     service.submit("r", SamplingParams(max_tokens=10), sink, prompt_ids=[1])
     for _ in range(3):  # driven by hand: first token, then two held
-        service._deliver(engine.step())
+        service._deliver(engine.step(), engine.running)
     assert [t for t, _ in sink.events[1:]] == [[101]]
     engine.running = 2
-    service._deliver(engine.step())
+    service._deliver(engine.step(), engine.running)
     assert [t for t, _ in sink.events[1:]] == [[101], [102, 103, 104]]

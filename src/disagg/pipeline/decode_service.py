@@ -140,12 +140,13 @@ class DecodeService:
                 log.exception("decode engine died")
                 self._die(e)
                 return
+            stats = self.engine.stats()  # once a step: the stream interval and the metrics
             self._delivering_since = time.monotonic()
-            self._deliver(outputs)
+            self._deliver(outputs, stats.num_running)
             self._delivering_since = None
             if self.on_step is not None:
                 try:
-                    self.on_step(self.engine.stats())
+                    self.on_step(stats)
                 except Exception:  # metrics must never stop decoding
                     log.exception("on_step hook failed")
             now = time.monotonic()
@@ -153,14 +154,14 @@ class DecodeService:
                 last_check = now
                 self._check_cancels()
 
-    def _interval(self) -> int:
+    def _interval(self, num_running: int) -> int:
         """Tokens per response now: the configured interval while over half the batch
         slots decode, else 1."""
-        if self.stream_interval > 1 and 2 * self.engine.stats().num_running > self.batch_slots:
+        if self.stream_interval > 1 and 2 * num_running > self.batch_slots:
             return self.stream_interval
         return 1
 
-    def _deliver(self, outputs) -> None:
+    def _deliver(self, outputs, num_running: int) -> None:
         tokens: dict[str, list[int]] = defaultdict(list)
         finished: dict[str, str] = {}
         for o in outputs:
@@ -168,7 +169,7 @@ class DecodeService:
                 tokens[o.request_id].append(o.token_id)
             if o.finish_reason is not None:
                 finished[o.request_id] = o.finish_reason.value
-        interval = self._interval() if self._held or tokens else 1
+        interval = self._interval(num_running)
         due = tokens.keys() | finished.keys() | (self._held.keys() if interval == 1 else set())
         for rid in due:
             sink = self._sinks.get(rid)
