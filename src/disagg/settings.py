@@ -193,7 +193,7 @@ class ServeSettings:
         if self.prefill_replicas:
             return DISAGGREGATED, "prefill runs on its own servers"
         pre, dec = (
-            set(filter(None, getattr(self, f"trtllm_{p}_devices").split(",")))
+            {d.strip() for d in getattr(self, f"trtllm_{p}_devices").split(",")} - {""}
             for p in ("prefill", "decode")
         )
         if self.engine_backend == "tensorrt_llm" and pre and dec and not pre & dec:

@@ -57,6 +57,11 @@ def test_bad_settings_fail_loudly(tmp_path, toml, env, msg):
              "trtllm_decode_devices": "1"},
             "conditional", "share",
         ),
+        (
+            {"engine_backend": "tensorrt_llm", "trtllm_prefill_devices": "0, 1",
+             "trtllm_decode_devices": "1"},
+            "conditional", "share",
+        ),
         ({"engine_backend": "tensorrt_llm"}, "conditional", "share"),
         ({"mode": "disaggregated"}, "disaggregated", "set"),
         ({"mode": "conditional", "prefill_replicas": "h:1"}, "conditional", "set"),
