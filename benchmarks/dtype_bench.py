@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from disagg.kernels import bf16_supported
 from disagg.llm import LLM
-from disagg.model import bf16_supported
 from disagg.sequence import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,8 @@ import torch
 
 from disagg.config import EngineConfig, ModelArgs
 from disagg.engine import DecodeEngine
-from disagg.model import Llama, bf16_supported
+from disagg.kernels import bf16_supported
+from disagg.model import Llama
 from disagg.sequence import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

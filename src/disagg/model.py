@@ -28,11 +28,10 @@ import torch.nn.functional as F
 
 from disagg.config import WEIGHTS_FILE, ModelArgs, load_model_args
 from disagg.errors import ConfigError
-from disagg.kernels import (  # noqa: F401 (bf16_supported, resolve_*: part of this API)
+from disagg.kernels import (
     CPU,
     HAS_ONEDNN,
     Linear,
-    bf16_supported,
     linear,
     matmul_dtype,
     pack,
@@ -248,7 +247,8 @@ class Llama:
         positions 0..start-1 are already in the cache: the chunk's K/V go into the cache and
         its queries attend over the prefix and causally within the chunk. Returns the logits
         of the chunk's last position ([V]). Chunk after chunk, this is the whole prefill, in
-        a different summation order (logits within ~1e-4 of `prefill`)."""
+        a different summation order (fp32 logits within ~1e-4 of `prefill`; bf16 also rounds
+        by a kernel that depends on the row count: within ~0.2)."""
         a = self.args
         n, end = len(token_ids), start + len(token_ids)
         cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from disagg.errors import ConfigError
-from disagg.model import KVCacheSlots, Llama, bf16_supported, resolve_compute_dtype
+from disagg.kernels import bf16_supported, resolve_compute_dtype
+from disagg.model import KVCacheSlots, Llama
 from disagg.sequence import SamplingParams
 
 pytestmark = pytest.mark.model

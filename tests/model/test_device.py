@@ -12,7 +12,8 @@ import torch
 from disagg.config import EngineConfig
 from disagg.engine import DecodeEngine, PrefillEngine
 from disagg.errors import ConfigError
-from disagg.model import Llama, resolve_device
+from disagg.kernels import resolve_device
+from disagg.model import Llama
 from disagg.sequence import SamplingParams
 
 pytestmark = pytest.mark.model
