@@ -157,7 +157,7 @@ class SenderSink:
         self.pid = pid
         self.to_bls = to_bls  # failures as outputs (contracts.py): the caller is a BLS stream
         self.caller = caller or CallerWatch(0)
-        self.load = load  # () -> (running, waiting, free slots), for callers that ask for it
+        self.load = load  # () -> (running, waiting, free slots, free KV tokens), if asked for
         self.num_sent = 0
 
     def send(self, token_ids: list[int], finish_reason: str | None) -> None:
