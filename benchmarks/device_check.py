@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from disagg.config import WEIGHTS_FILE, EngineConfig, ModelArgs, load_model_args
-from disagg.engine import DecodeEngine, PrefillEngine
-from disagg.model import Llama
-from disagg.sequence import SamplingParams
+from disagg.engine.config import WEIGHTS_FILE, EngineConfig, ModelArgs, load_model_args
+from disagg.engine.llm_engine import DecodeEngine, PrefillEngine
+from disagg.engine.model import Llama
+from disagg.engine.sequence import SamplingParams
 
 SMOLLM2 = ModelArgs(
     dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536, vocab_size=49152,

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from disagg.kernels import bf16_supported
+from disagg.engine.kernels import bf16_supported
+from disagg.engine.sequence import SamplingParams
 from disagg.llm import LLM
-from disagg.sequence import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

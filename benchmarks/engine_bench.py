@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from disagg.config import EngineConfig, ModelArgs
-from disagg.engine import DecodeEngine
-from disagg.kernels import bf16_supported
-from disagg.model import Llama
-from disagg.sequence import SamplingParams
+from disagg.engine.config import EngineConfig, ModelArgs
+from disagg.engine.kernels import bf16_supported
+from disagg.engine.llm_engine import DecodeEngine
+from disagg.engine.model import Llama
+from disagg.engine.sequence import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-from disagg.config import EngineConfig
-from disagg.engine import DecodeEngine
+from disagg.engine.config import EngineConfig
+from disagg.engine.llm_engine import DecodeEngine
+from disagg.engine.sequence import SamplingParams
 from disagg.llm import LLM
-from disagg.sequence import SamplingParams
 
 
 def pct(xs: list[float], q: float) -> float:

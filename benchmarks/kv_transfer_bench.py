@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from disagg.config import ModelArgs
-from disagg.kv_payload import KVPayload
+from disagg.engine.config import ModelArgs
+from disagg.engine.kv_payload import KVPayload
 from disagg.kvnet import KVLeases, KVRef, KVServer, pull
 
 SMOLLM2 = ModelArgs(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536,

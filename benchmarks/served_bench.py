@@ -33,8 +33,8 @@ import torch
 
 from disagg.bench.runner import GatewayTarget, TritonTarget, run_open_loop
 from disagg.bench.workloads import PromptMaker, RequestSpec
+from disagg.engine.sequence import SamplingParams
 from disagg.llm import LLM
-from disagg.sequence import SamplingParams
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
 from disagg.serve.supervisor import stub_processes

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from disagg.client import HttpClient
+from disagg.engine.sequence import SamplingParams
 from disagg.llm import LLM
-from disagg.sequence import SamplingParams
 from disagg.serve.server import TritonServer, free_ports
 from disagg.settings import ServeSettings
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from disagg.checkpoint import build_engine, find_packaged_smollm2, print_progress
+from disagg.engine.build import build_engine, print_progress
+from disagg.engine.checkpoint import find_packaged_smollm2
 from disagg.errors import ConfigError
 
 DEFAULT_ENGINE_DIR = "engines/smollm2-135m-instruct"

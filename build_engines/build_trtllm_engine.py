@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from disagg.checkpoint_hf import write_serving_metadata
+from disagg.engine.hf import write_serving_metadata
 from disagg.errors import ConfigError
 from disagg.trtllm.build import TRANSCEIVERS, BuildSpec, PoolSpec, describe, files
 

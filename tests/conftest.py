@@ -21,7 +21,8 @@ DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")
 
 @pytest.fixture(scope="session")
 def engine_dir() -> Path:
-    from disagg.checkpoint import build_engine, find_packaged_smollm2
+    from disagg.engine.build import build_engine
+    from disagg.engine.checkpoint import find_packaged_smollm2
 
     build_engine(find_packaged_smollm2(), ENGINE_DIR)
     return ENGINE_DIR
@@ -29,7 +30,7 @@ def engine_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(engine_dir):
-    from disagg.tokenizer import Tokenizer
+    from disagg.engine.tokenizer import Tokenizer
 
     return Tokenizer(engine_dir)
 

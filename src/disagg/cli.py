@@ -18,8 +18,8 @@ import importlib
 import sys
 import time
 
+from disagg.engine.sequence import SamplingParams
 from disagg.errors import DisaggError
-from disagg.sequence import SamplingParams
 
 # subcommand -> (module whose main(argv) runs it, help); imported only when chosen, so
 # `disagg generate` never loads the gateway and `disagg status` never loads torch

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from disagg.engine.sequence import SamplingParams
 from disagg.errors import (
     CapacityError,
     DisaggError,
@@ -22,7 +23,6 @@ from disagg.errors import (
     PoolError,
     RequestError,
 )
-from disagg.sequence import SamplingParams
 
 if TYPE_CHECKING:
     import numpy as np

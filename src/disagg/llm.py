@@ -19,15 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from disagg.config import EngineConfig
 from disagg.contracts import COLOCATED, DISAGGREGATED, Reply
-from disagg.engine import DecodeEngine, PrefillEngine
-from disagg.model import Llama
+from disagg.engine.config import EngineConfig
+from disagg.engine.llm_engine import DecodeEngine, PrefillEngine
+from disagg.engine.model import Llama
+from disagg.engine.sequence import FinishReason, SamplingParams
+from disagg.engine.tokenizer import Message, Tokenizer
 from disagg.pipeline.decode_service import DecodeService
 from disagg.pipeline.local import LocalDecodePool, LocalPrefillPool
 from disagg.pipeline.orchestrator import GenerateRequest, Orchestrator
-from disagg.sequence import FinishReason, SamplingParams
-from disagg.tokenizer import Message, Tokenizer
 
 Prompt = str | list[Message] | list[int]  # plain text, chat messages, or token ids
 log = logging.getLogger("disagg.llm")

@@ -21,8 +21,8 @@ import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from disagg.config import EngineConfig
 from disagg.contracts import CONDITIONAL, DISAGGREGATED, MODES
+from disagg.engine.config import EngineConfig
 from disagg.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

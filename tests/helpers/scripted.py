@@ -9,8 +9,8 @@ import re
 
 import numpy as np
 
-from disagg.config import ModelArgs
 from disagg.contracts import DecodeStep, Handoff, RoutedReply
+from disagg.engine.config import ModelArgs
 
 _PIECE = re.compile(r"\s*\S+|\s+")
 

@@ -15,7 +15,7 @@ from helpers.triton_server import server_settings
 
 from disagg.client import GenerateError, HttpClient
 from disagg.contracts import TOKEN_ENV
-from disagg.sequence import SamplingParams
+from disagg.engine.sequence import SamplingParams
 from disagg.serve.server import TritonServer
 from disagg.serve.supervisor import stub_processes
 

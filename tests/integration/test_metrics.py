@@ -10,7 +10,7 @@ import pytest
 from helpers.triton_server import eventually, metric, start_server
 
 from disagg.client import GenerateError, GrpcClient, HttpClient
-from disagg.config import load_model_args
+from disagg.engine.config import load_model_args
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from helpers.fake_openai import CANNED, FakeOpenAI
 from helpers.triton_server import metric, metric_becomes, start_server
 
 from disagg.client import GenerateError, GrpcClient, HttpClient
-from disagg.sequence import SamplingParams
+from disagg.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.integration
 KEY_ENV = "DISAGG_TEST_LPU_KEY"

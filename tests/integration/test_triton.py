@@ -14,8 +14,8 @@ import pytest
 from helpers.triton_server import admin_post, eventually, metric
 
 from disagg.client import GenerateError, GrpcClient, HttpClient
-from disagg.sequence import SamplingParams
-from disagg.tokenizer import REPLACEMENT_CHAR
+from disagg.engine.sequence import SamplingParams
+from disagg.engine.tokenizer import REPLACEMENT_CHAR
 
 pytestmark = pytest.mark.integration
 

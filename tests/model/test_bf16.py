@@ -6,10 +6,10 @@ differently on some inputs, so one row runs as two (docs/benchmarks.md)."""
 import pytest
 import torch
 
+from disagg.engine.kernels import bf16_supported, resolve_compute_dtype
+from disagg.engine.model import KVCacheSlots, Llama
+from disagg.engine.sequence import SamplingParams
 from disagg.errors import ConfigError
-from disagg.kernels import bf16_supported, resolve_compute_dtype
-from disagg.model import KVCacheSlots, Llama
-from disagg.sequence import SamplingParams
 
 pytestmark = pytest.mark.model
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from disagg.checkpoint import build_engine, find_packaged_smollm2
-from disagg.config import load_model_args
+from disagg.engine.build import build_engine
+from disagg.engine.checkpoint import find_packaged_smollm2
+from disagg.engine.config import load_model_args
 from disagg.errors import ConfigError
 
 pytestmark = pytest.mark.model
@@ -91,7 +92,7 @@ def tiny_hf_checkpoint(tmp_path_factory, engine_dir):
 
 
 def test_hf_checkpoint_builds_and_matches_transformers(tiny_hf_checkpoint, tmp_path):
-    from disagg.model import Llama
+    from disagg.engine.model import Llama
 
     src, ref = tiny_hf_checkpoint
     engine, built = build_engine(src, tmp_path / "engine", max_context=128)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.config import EngineConfig
-from disagg.engine import DecodeEngine, PrefillEngine
-from disagg.model import KVCacheSlots
-from disagg.sequence import SamplingParams
+from disagg.engine.config import EngineConfig
+from disagg.engine.llm_engine import DecodeEngine, PrefillEngine
+from disagg.engine.model import KVCacheSlots
+from disagg.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.model
 CHUNK = 128

@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.config import EngineConfig
-from disagg.engine import DecodeEngine, PrefillEngine
+from disagg.engine.config import EngineConfig
+from disagg.engine.kernels import resolve_device
+from disagg.engine.llm_engine import DecodeEngine, PrefillEngine
+from disagg.engine.model import Llama
+from disagg.engine.sequence import SamplingParams
 from disagg.errors import ConfigError
-from disagg.kernels import resolve_device
-from disagg.model import Llama
-from disagg.sequence import SamplingParams
 
 pytestmark = pytest.mark.model
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.model
 def test_the_plain_kernel_path_matches_the_cpu_one(engine_dir, llm, tokenizer):
     from safetensors.torch import load_file
 
-    from disagg.config import WEIGHTS_FILE
+    from disagg.engine.config import WEIGHTS_FILE
 
     weights = {k: v.float() for k, v in load_file(str(engine_dir / WEIGHTS_FILE)).items()}
     # both fp32 (the served default may be bf16 here: compute_dtype auto)

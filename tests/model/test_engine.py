@@ -4,11 +4,11 @@ import multiprocessing as mp
 
 import pytest
 
-from disagg.config import EngineConfig
-from disagg.engine import DecodeEngine, PrefillEngine
+from disagg.engine.config import EngineConfig
+from disagg.engine.kv_payload import KVPayload
+from disagg.engine.llm_engine import DecodeEngine, PrefillEngine
+from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.errors import CapacityError, KVPayloadError, RequestError
-from disagg.kv_payload import KVPayload
-from disagg.sequence import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.model
 
@@ -67,7 +67,7 @@ def _prefill_in_child(engine_dir: str, prompt_ids: list[int], conn) -> None:
 def test_prefill_in_another_process_gives_the_same_tokens(llm, engine_dir, alone):
     import os
 
-    from disagg.engine import PrefillResult
+    from disagg.engine.llm_engine import PrefillResult
 
     ids = llm.encode(PROMPTS[1])
     ctx = mp.get_context("spawn")
@@ -202,7 +202,7 @@ def test_bad_requests_get_clear_errors_and_the_engine_keeps_serving(llm, prompt_
 def test_kv_payload_for_another_model_is_refused(llm):
     r = llm.prefill_engine.prefill("x", [1, 2, 3], GREEDY)
     forged = KVPayload(**{**r.kv.__dict__, "fingerprint": "0" * 64})
-    from disagg.engine import PrefillResult
+    from disagg.engine.llm_engine import PrefillResult
 
     with pytest.raises(KVPayloadError, match="is for model"):
         llm.decode_engine.add_request(

@@ -6,7 +6,7 @@ remains is summation order). Seen here: about 1e-4."""
 import pytest
 import torch
 
-from disagg.model import KVCacheSlots, Llama
+from disagg.engine.model import KVCacheSlots, Llama
 
 pytestmark = pytest.mark.model
 
@@ -23,7 +23,7 @@ PROMPTS = [
 def reference():
     from transformers import AutoModelForCausalLM
 
-    from disagg.checkpoint import find_packaged_smollm2
+    from disagg.engine.checkpoint import find_packaged_smollm2
 
     g = find_packaged_smollm2()
     model = AutoModelForCausalLM.from_pretrained(

@@ -2,8 +2,8 @@
 
 import pytest
 
+from disagg.engine.tokenizer import REPLACEMENT_CHAR, TextStream
 from disagg.errors import RequestError
-from disagg.tokenizer import REPLACEMENT_CHAR, TextStream
 
 pytestmark = pytest.mark.model
 
@@ -30,7 +30,7 @@ def test_digits_are_split_one_by_one(tokenizer):
 def test_matches_transformers_gguf_tokenizer(tokenizer):
     from transformers import AutoTokenizer
 
-    from disagg.checkpoint import find_packaged_smollm2
+    from disagg.engine.checkpoint import find_packaged_smollm2
 
     g = find_packaged_smollm2()
     ref = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)

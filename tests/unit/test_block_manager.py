@@ -1,6 +1,6 @@
 import pytest
 
-from disagg.block_manager import BlockManager
+from disagg.engine.block_manager import BlockManager
 
 pytestmark = pytest.mark.unit
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from disagg.config import EngineConfig, ModelArgs, load_model_args
+from disagg.engine.config import EngineConfig, ModelArgs, load_model_args
 from disagg.errors import ConfigError
 
 pytestmark = pytest.mark.unit

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from disagg.contracts import DecodeStats
-from disagg.engine import TokenOutput
+from disagg.engine.llm_engine import TokenOutput
+from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.errors import CapacityError
 from disagg.pipeline.decode_service import DecodeService
-from disagg.sequence import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from disagg.config import ModelArgs
+from disagg.engine.config import ModelArgs
+from disagg.engine.kv_payload import KVPayload
 from disagg.errors import KVPayloadError
-from disagg.kv_payload import KVPayload
 
 pytestmark = pytest.mark.unit
 

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from disagg.config import ModelArgs
+from disagg.engine.config import ModelArgs
+from disagg.engine.kv_payload import KVPayload
 from disagg.errors import KVPayloadError
-from disagg.kv_payload import KVPayload
 from disagg.kvnet import KVLeases, KVRef, KVServer, drop, pull
 
 pytestmark = pytest.mark.unit

@@ -124,3 +124,53 @@ def test_the_request_path_in_the_architecture_doc_names_real_functions():
         }
         missing = [part for part in name.split(".") if part not in defined]
         assert not missing, f"{file}: {name}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """disagg module -> the disagg modules it imports, lazily (inside functions) or not."""
+    known = {_module_name(p) for p in _modules()}
+    graph: dict[str, set[str]] = {}
+    for path in _modules():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in known}
+            elif isinstance(node, ast.ImportFrom) and node.module in known:
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    edges.add(sub if sub in known else node.module)
+        name = _module_name(path)
+        graph[name] = edges - {name}
+    return graph
+
+
+def test_no_import_cycle():
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_the_engine_layers_have_a_package_of_their_own():
+    engine = {p.stem for p in (SRC / "engine").glob("*.py")}
+    assert {"model", "scheduler", "block_manager", "sequence", "llm_engine"} <= engine
+    top = {p.stem for p in SRC.glob("*.py")}
+    assert top.isdisjoint(engine - {"__init__"}), top & engine

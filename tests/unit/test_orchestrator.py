@@ -12,8 +12,9 @@ from helpers.scripted import (
     model_args,
 )
 
-from disagg.config import EngineConfig
 from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, FALLBACK, DecodeStep
+from disagg.engine.config import EngineConfig
+from disagg.engine.sequence import SamplingParams
 from disagg.errors import PoolError, RequestError
 from disagg.pipeline.orchestrator import (
     GenerateRequest,
@@ -21,7 +22,6 @@ from disagg.pipeline.orchestrator import (
     OrchestratorEvents,
     build_request,
 )
-from disagg.sequence import SamplingParams
 
 pytestmark = pytest.mark.unit
 

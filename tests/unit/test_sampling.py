@@ -1,9 +1,9 @@
 import pytest
 import torch
 
+from disagg.engine.sampling import sample_batch, sample_one
+from disagg.engine.sequence import SamplingParams
 from disagg.errors import RequestError
-from disagg.sampling import sample_batch, sample_one
-from disagg.sequence import SamplingParams
 
 pytestmark = pytest.mark.unit
 

@@ -2,10 +2,10 @@
 
 import pytest
 
-from disagg.config import EngineConfig
+from disagg.engine.config import EngineConfig
+from disagg.engine.scheduler import Scheduler, SlotMove
+from disagg.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from disagg.errors import CapacityError, RequestError
-from disagg.scheduler import Scheduler, SlotMove
-from disagg.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
 pytestmark = pytest.mark.unit
 

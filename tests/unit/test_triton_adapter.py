@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from disagg import contracts as C
+from disagg.engine.sequence import SamplingParams
 from disagg.errors import ConfigError, KVPayloadError, PoolError, RequestError
-from disagg.sequence import SamplingParams
 
 pytestmark = pytest.mark.unit
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
@@ -216,7 +216,7 @@ def test_a_sink_refuses_to_send_to_a_caller_that_died(t):
 
 
 def test_decode_reads_a_kv_handoff_or_prompt_ids(t):
-    from disagg.kv_payload import KVPayload
+    from disagg.engine.kv_payload import KVPayload
 
     rng = np.random.default_rng(0)
     k = rng.standard_normal((2, 1, 3, 4)).astype(np.float32)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from disagg.engine import PrefillResult
+from disagg.engine.llm_engine import PrefillResult
+from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.errors import CapacityError, KVPayloadError, RequestError
 from disagg.pipeline.decode_service import DecodeService
-from disagg.sequence import FinishReason, SamplingParams
 from disagg.trtllm import payload
 from disagg.trtllm.engines import TrtllmApi, TrtllmDecodeEngine, TrtllmPrefillEngine
 

@@ -14,9 +14,9 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from disagg.engine.tokenizer import Tokenizer
 from disagg.serve.render import render_repositories
 from disagg.settings import ModelParams, ServeSettings, template_values
-from disagg.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]

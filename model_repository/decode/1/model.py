@@ -7,11 +7,11 @@ from pathlib import Path
 
 from disagg import contracts as P
 from disagg.cancel import CancelRegistry
-from disagg.config import load_model_args
-from disagg.engine import DecodeEngine
-from disagg.model import Llama
+from disagg.engine.config import load_model_args
+from disagg.engine.llm_engine import DecodeEngine
+from disagg.engine.model import Llama
+from disagg.engine.tokenizer import Tokenizer
 from disagg.pipeline.decode_service import DecodeService
-from disagg.tokenizer import Tokenizer
 from disagg.triton import bls, pb, pb_metrics, pools
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from disagg import contracts as P
 from disagg.cancel import CancelRegistry
-from disagg.config import load_model_args
+from disagg.engine.config import load_model_args
+from disagg.engine.tokenizer import Tokenizer
 from disagg.pipeline.conditional import CostModel, CostParams
 from disagg.pipeline.orchestrator import Orchestrator, build_request
-from disagg.tokenizer import Tokenizer
 from disagg.triton import bls, pb, pb_metrics, pools, runner
 
 INPUTS = {P.INPUT_IDS: "ints", **P.GENERATION_INPUTS}

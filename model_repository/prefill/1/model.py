@@ -10,9 +10,9 @@ import time
 import numpy as np
 
 from disagg import contracts as P
-from disagg.engine import PrefillEngine
-from disagg.model import Llama
-from disagg.sequence import SamplingParams
+from disagg.engine.llm_engine import PrefillEngine
+from disagg.engine.model import Llama
+from disagg.engine.sequence import SamplingParams
 from disagg.triton import bls, pb, pools
 
 INPUTS = {P.PROMPT_IDS: "ints", P.SAMPLING: "str"}

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from disagg import contracts as P
 from disagg.cancel import CancelRegistry
+from disagg.engine.tokenizer import Tokenizer
 from disagg.routing.policy import PolicySource
 from disagg.routing.request import build_route_request
 from disagg.routing.router import Router
-from disagg.tokenizer import Tokenizer
 from disagg.triton import bls, pb, pb_metrics, pools, runner
 
 INPUTS = {

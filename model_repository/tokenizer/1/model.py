@@ -4,7 +4,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as P
-from disagg.tokenizer import Tokenizer
+from disagg.engine.tokenizer import Tokenizer
 from disagg.triton import pb
 
 INPUTS = {P.TEXT_INPUT: "str", P.MESSAGES: "str", P.APPLY_CHAT_TEMPLATE: "bool"}

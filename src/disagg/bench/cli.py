@@ -45,7 +45,7 @@ def _rates(text: str | None, workload: str) -> tuple[float, ...]:
 
 
 def _prompts(engine_dir: str, seed: int) -> W.PromptMaker:
-    from disagg.tokenizer import Tokenizer
+    from disagg.engine.tokenizer import Tokenizer
 
     return W.PromptMaker(Tokenizer(engine_dir), seed)
 
@@ -126,6 +126,13 @@ def sweep_each(args, serve, what: str) -> None:
 def cmd_compare(args) -> int:
     sweep_each(args, _mode_server, "tritonserver")
     return cmd_report(args)
+
+
+def cmd_cluster(args) -> int:
+    from disagg.bench import topology
+
+    sweep_each(args, topology.serve, "the topology")
+    return cmd_report(args, markers=(topology.DOC_BEGIN, topology.DOC_END), image_prefix="topology")
 
 
 def _server_counts(metrics_url: str) -> dict:
@@ -252,7 +259,7 @@ def parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--model", default="router", help="the entry model requests go to")
     cmp_.set_defaults(func=cmd_compare, target="triton", url="")
 
-    from disagg.bench.topology import TOPOLOGIES, cmd_cluster
+    from disagg.bench.topology import TOPOLOGIES
 
     clu = sub.add_parser("cluster", help="topologies with a core per node (colocated 2x1, "
                          "disaggregated 1+1, conditional 1+1)")  # fmt: skip

@@ -70,10 +70,3 @@ def serve(base, name: str, out_dir: Path):
     finally:
         for server in pools:
             server.stop()
-
-
-def cmd_cluster(args) -> int:
-    from disagg.bench import cli
-
-    cli.sweep_each(args, serve, "the topology")
-    return cli.cmd_report(args, markers=(DOC_BEGIN, DOC_END), image_prefix="topology")

@@ -11,11 +11,11 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Protocol
 
 from disagg.cancel import CancelRegistry
+from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.errors import EngineDeadError
-from disagg.sequence import FinishReason, SamplingParams
 
 if TYPE_CHECKING:  # the engine brings torch; this loop needs only its interface
-    from disagg.engine import DecodeEngine, PrefillResult
+    from disagg.engine.llm_engine import DecodeEngine, PrefillResult
 
 log = logging.getLogger("disagg.decode")
 

@@ -18,11 +18,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from disagg.contracts import DecodeStep, Handoff
+from disagg.engine.sequence import SamplingParams
 from disagg.errors import PoolError, RequestError
-from disagg.sequence import SamplingParams
 
 if TYPE_CHECKING:  # the engines bring torch
-    from disagg.engine import PrefillEngine, PrefillResult
+    from disagg.engine.llm_engine import PrefillEngine, PrefillResult
     from disagg.pipeline.decode_service import DecodeService
 
 log = logging.getLogger("disagg.pipeline")
@@ -31,8 +31,8 @@ log = logging.getLogger("disagg.pipeline")
 def prefill_result(request_id: str, first_token: int, seed: int, payload) -> PrefillResult:
     """What decode imports: the PrefillResult a KV payload's bytes (disagg's KVPayload, or
     TensorRT-LLM's DisaggregatedParams) describe. Raises KVPayloadError for bad bytes."""
-    from disagg.engine import PrefillResult
-    from disagg.kv_payload import KVPayload
+    from disagg.engine.kv_payload import KVPayload
+    from disagg.engine.llm_engine import PrefillResult
     from disagg.trtllm import payload as trtllm_payload
 
     if trtllm_payload.is_trtllm_payload(payload):

@@ -23,7 +23,6 @@ from typing import Protocol
 import numpy as np
 
 from disagg import contracts as C
-from disagg.config import EngineConfig, ModelArgs
 from disagg.contracts import (
     COLOCATED,
     CONDITIONAL,
@@ -35,10 +34,11 @@ from disagg.contracts import (
     Reply,
     child_request_id,
 )
+from disagg.engine.config import EngineConfig, ModelArgs
+from disagg.engine.sequence import FinishReason, SamplingParams, validate_request
+from disagg.engine.tokenizer import TextStream, Tokenizer
 from disagg.errors import PoolError, RequestError
 from disagg.pipeline.conditional import CostModel, Load, LoadTracker
-from disagg.sequence import FinishReason, SamplingParams, validate_request
-from disagg.tokenizer import TextStream, Tokenizer
 
 log = logging.getLogger("disagg.orchestrator")
 

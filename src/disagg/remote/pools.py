@@ -28,9 +28,9 @@ from tritonclient.utils import InferenceServerException
 
 from disagg import contracts as P
 from disagg.contracts import DecodeStep, Handoff
+from disagg.engine.sequence import SamplingParams
 from disagg.errors import PoolError
 from disagg.remote.replicas import Replica, ReplicaSet
-from disagg.sequence import SamplingParams
 
 log = logging.getLogger("disagg.remote")
 PREFILL_OUTPUTS = (

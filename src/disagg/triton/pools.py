@@ -18,10 +18,10 @@ from disagg import contracts as P
 from disagg import kvnet
 from disagg.cancel import CancelRegistry
 from disagg.contracts import DecodeStep, Handoff, RoutedReply
+from disagg.engine.sequence import SamplingParams
 from disagg.errors import KVPayloadError, PoolError, RequestError
 from disagg.kvnet import KVLeases, KVRef, KVServer
 from disagg.pipeline.local import prefill_result
-from disagg.sequence import SamplingParams
 from disagg.triton.bls import BLS_PARAMETERS, CallerWatch, bls_stream, failure_response
 from disagg.triton.pb import FINAL, input_array, output_array, raise_for_error, tensor
 

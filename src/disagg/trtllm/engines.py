@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg.contracts import DecodeStats
-from disagg.engine import PrefillResult, TokenOutput, resolve_seed
+from disagg.engine.llm_engine import PrefillResult, TokenOutput, resolve_seed
+from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.errors import CapacityError, RequestError
-from disagg.sequence import FinishReason, SamplingParams
 from disagg.trtllm.payload import TrtllmHandoff, params_to_dict
 
 FINISH = {  # CompletionOutput.finish_reason (1.0: stop, length, timeout, cancelled)

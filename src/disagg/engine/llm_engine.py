@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from disagg.config import EngineConfig
 from disagg.contracts import DecodeStats
+from disagg.engine.config import EngineConfig
+from disagg.engine.kv_payload import KVPayload
+from disagg.engine.model import KVCacheSlots, Llama
+from disagg.engine.sampling import sample_batch, sample_one
+from disagg.engine.scheduler import Scheduler, SlotMove
+from disagg.engine.sequence import FinishReason, SamplingParams, Sequence, validate_request
 from disagg.errors import ConfigError, RequestError
-from disagg.kv_payload import KVPayload
-from disagg.model import KVCacheSlots, Llama
-from disagg.sampling import sample_batch, sample_one
-from disagg.scheduler import Scheduler, SlotMove
-from disagg.sequence import FinishReason, SamplingParams, Sequence, validate_request
 
 
 @dataclass(frozen=True)
@@ -270,7 +270,7 @@ class DecodeEngine:
             try:
                 self.on_admit(seq.admitted_s - seq.arrival_s, prefill_s)
             except Exception:  # metrics must never stop decoding
-                logging.getLogger("disagg.engine").exception("on_admit hook failed")
+                logging.getLogger("disagg.engine.llm_engine").exception("on_admit hook failed")
 
     def _admit(self, seq: Sequence, outputs: list[TokenOutput]) -> bool:
         """Write the sequence's prompt K/V into its slot (prefilling it here if it came

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from disagg.checkpoint import Checkpoint, _file_identity
-from disagg.config import (
+from disagg.engine.checkpoint import Checkpoint, file_identity
+from disagg.engine.config import (
     CONFIG_FILE,
     ENGINE_FORMAT_VERSION,
     TOKENIZER_CONFIG_FILE,
@@ -107,7 +107,7 @@ def read_hf_dir(path: str | Path, max_context: int) -> Checkpoint:
         tokenizer_config=tokenizer_config,
         source={
             "kind": "hf",
-            **_file_identity(path / "config.json"),
+            **file_identity(path / "config.json"),
             "files": [f.name for f in files],
         },
     )
@@ -127,7 +127,7 @@ def write_serving_metadata(source: str | Path, engine_dir: str | Path, max_conte
         "format_version": ENGINE_FORMAT_VERSION,
         **args.to_json(),
         "requested_max_context": max_context,
-        "source": {"kind": "hf-metadata", **_file_identity(source / "config.json")},
+        "source": {"kind": "hf-metadata", **file_identity(source / "config.json")},
     }
     (engine_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     (engine_dir / TOKENIZER_FILE).write_text(tokenizer_json)

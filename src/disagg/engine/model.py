@@ -26,9 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from disagg.config import WEIGHTS_FILE, ModelArgs, load_model_args
-from disagg.errors import ConfigError
-from disagg.kernels import (
+from disagg.engine.config import WEIGHTS_FILE, ModelArgs, load_model_args
+from disagg.engine.kernels import (
     CPU,
     HAS_ONEDNN,
     Linear,
@@ -38,6 +37,7 @@ from disagg.kernels import (
     resolve_compute_dtype,
     resolve_device,
 )
+from disagg.errors import ConfigError
 
 ATTN_BLOCK = 64
 

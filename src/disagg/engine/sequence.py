@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from disagg.errors import RequestError
 
 if TYPE_CHECKING:
-    from disagg.config import EngineConfig, ModelArgs
+    from disagg.engine.config import EngineConfig, ModelArgs
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.config import ModelArgs
+from disagg.engine.config import ModelArgs
 from disagg.errors import KVPayloadError
 
 LAYOUT_VERSION = 1

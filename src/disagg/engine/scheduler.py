@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from disagg.block_manager import BlockManager
-from disagg.config import EngineConfig
+from disagg.engine.block_manager import BlockManager
+from disagg.engine.config import EngineConfig
+from disagg.engine.sequence import FinishReason, Sequence, SequenceStatus
 from disagg.errors import CapacityError, RequestError
-from disagg.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from disagg.sequence import SamplingParams
+from disagg.engine.sequence import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the seed space
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from disagg.config import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from disagg.engine.config import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from disagg.errors import ConfigError, RequestError
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder returns for an incomplete UTF-8 sequence
