@@ -27,7 +27,8 @@ from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.engine.tokenizer import Message, Tokenizer
 from disagg.pipeline.decode_service import DecodeService
 from disagg.pipeline.local import LocalDecodePool, LocalPrefillPool
-from disagg.pipeline.orchestrator import GenerateRequest, Orchestrator
+from disagg.pipeline.orchestrator import Orchestrator
+from disagg.pipeline.request import GenerateRequest
 
 Prompt = str | list[Message] | list[int]  # plain text, chat messages, or token ids
 log = logging.getLogger("disagg.llm")

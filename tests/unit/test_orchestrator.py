@@ -17,11 +17,11 @@ from disagg.engine.config import EngineConfig
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import PoolError, RequestError
 from disagg.pipeline.orchestrator import (
-    GenerateRequest,
     Orchestrator,
     OrchestratorEvents,
     build_request,
 )
+from disagg.pipeline.request import GenerateRequest
 
 pytestmark = pytest.mark.unit
 

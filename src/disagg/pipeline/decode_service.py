@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from disagg.cancel import CancelRegistry
@@ -15,7 +16,7 @@ from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.errors import EngineDeadError
 
 if TYPE_CHECKING:  # the engine brings torch; this loop needs only its interface
-    from disagg.engine.llm_engine import DecodeEngine, PrefillResult
+    from disagg.engine.llm_engine import DecodeEngine, PrefillResult, TokenOutput
 
 log = logging.getLogger("disagg.decode")
 
@@ -28,6 +29,20 @@ class Sink(Protocol):
     def fail(self, error: Exception) -> None: ...
 
     def is_cancelled(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class _Stream:
+    """One request's way out of decode: its sink and the tokens it has not been sent yet."""
+
+    sink: Sink
+    held: list[int] = field(default_factory=list)  # waiting for the next response (load)
+    started: bool = False  # its first token went out
+
+    def take(self, tokens: list[int]) -> list[int]:
+        """The held tokens and `tokens`, now to be sent; nothing is held after."""
+        out, self.held = self.held + tokens, []
+        return out
 
 
 def _exit_process(stuck_s: float) -> None:
@@ -70,9 +85,9 @@ class DecodeService:
         self.cancel_check_interval_s = cancel_check_interval_s
         self.stuck_send_s = stuck_send_s
         self.on_stuck = on_stuck
-        self._sinks: dict[str, Sink] = {}
-        self._held: dict[str, list[int]] = {}  # tokens waiting for the next response (load)
-        self._started: set[str] = set()  # requests whose first token went out
+        # request id -> its stream; added by submit() (Triton's thread), removed by the loop,
+        # both under _wake
+        self._streams: dict[str, _Stream] = {}
         self._wake = threading.Condition()
         self._stopped = False
         self._delivering_since: float | None = None
@@ -123,7 +138,7 @@ class DecodeService:
             return
         with self._wake:
             self.engine.add_request(request_id, params, prefill=prefill, prompt_ids=prompt_ids)
-            self._sinks[request_id] = sink
+            self._streams[request_id] = _Stream(sink)
             self._wake.notify()
 
     def _loop(self) -> None:
@@ -161,7 +176,7 @@ class DecodeService:
             return self.stream_interval
         return 1
 
-    def _deliver(self, outputs, num_running: int) -> None:
+    def _deliver(self, outputs: list[TokenOutput], num_running: int) -> None:
         tokens: dict[str, list[int]] = defaultdict(list)
         finished: dict[str, str] = {}
         for o in outputs:
@@ -170,37 +185,43 @@ class DecodeService:
             if o.finish_reason is not None:
                 finished[o.request_id] = o.finish_reason.value
         interval = self._interval(num_running)
-        due = tokens.keys() | finished.keys() | (self._held.keys() if interval == 1 else set())
-        for rid in due:
-            sink = self._sinks.get(rid)
-            if sink is None:
-                self._held.pop(rid, None)
+        with self._wake:
+            held = {rid for rid, s in self._streams.items() if s.held} if interval == 1 else set()
+            due = [(rid, self._streams.get(rid)) for rid in tokens.keys() | finished.keys() | held]
+            for rid in finished:
+                self._streams.pop(rid, None)
+        for rid, stream in due:
+            if stream is None:
                 continue
-            held = self._held.pop(rid, []) + tokens.get(rid, [])
-            if rid not in finished and rid in self._started and len(held) < interval:
-                self._held[rid] = held  # goes out with the next ones
+            if (
+                rid not in finished
+                and stream.started
+                and len(stream.held) + len(tokens.get(rid, ())) < interval
+            ):
+                stream.held += tokens.get(rid, [])  # goes out with the next ones
                 continue
+            batch = stream.take(tokens.get(rid, []))
             if rid in finished:
-                self._sinks.pop(rid, None)
-                self._started.discard(rid)
                 if self.cancels:
                     self.cancels.clear(rid)
-            elif held:
-                self._started.add(rid)
+            elif batch:
+                stream.started = True
             try:
-                sink.send(held, finished.get(rid))
+                stream.sink.send(batch, finished.get(rid))
             except Exception:  # the client is gone: stop spending steps on it
                 log.info("request %s: sending failed; finishing it", rid)
                 self.engine.finish_request(rid, FinishReason.ABORT)
 
     def _check_cancels(self) -> None:
-        for rid, sink in list(self._sinks.items()):
-            if (self.cancels and self.cancels.is_marked(rid)) or sink.is_cancelled():
+        with self._wake:
+            streams = list(self._streams.items())
+        for rid, stream in streams:
+            if (self.cancels and self.cancels.is_marked(rid)) or stream.sink.is_cancelled():
                 self.engine.finish_request(rid, FinishReason.ABORT)
 
     def _die(self, error: Exception) -> None:
         self.dead = error
-        for sink in self._sinks.values():
-            sink.fail(EngineDeadError(f"decode engine died: {error}"))
-        self._sinks.clear()
-        self._held.clear()
+        with self._wake:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.sink.fail(EngineDeadError(f"decode engine died: {error}"))

@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -39,6 +38,7 @@ from disagg.engine.sequence import FinishReason, SamplingParams, validate_reques
 from disagg.engine.tokenizer import TextStream, Tokenizer
 from disagg.errors import PoolError, RequestError
 from disagg.pipeline.conditional import CostModel, Load, LoadTracker
+from disagg.pipeline.request import GenerateRequest, RequestRun
 
 log = logging.getLogger("disagg.orchestrator")
 
@@ -64,17 +64,6 @@ class DecodePool(Protocol):
     def cancel(self, request_id: str) -> None: ...
 
 
-@dataclass(frozen=True)
-class GenerateRequest:
-    request_id: str
-    prompt_ids: list[int]
-    prompt_text: str  # echoed before the reply when exclude_input_in_output is false
-    params: SamplingParams
-    stream: bool = False
-    exclude_input_in_output: bool = True
-    arrival_s: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
-
-
 class OrchestratorEvents:
     """Hooks for metrics (times in seconds, labels from small closed sets); the default does
     nothing. `served_by` is DISAGGREGATED, COLOCATED or FALLBACK."""
@@ -94,12 +83,6 @@ class OrchestratorEvents:
     def error(self, stage: str, kind: str) -> None: ...
 
     def load(self, load: Load) -> None: ...
-
-
-@dataclass
-class _Timing:
-    arrival_s: float
-    last_token_s: float | None = None
 
 
 def kv_path(payload) -> tuple[str, int]:
@@ -203,124 +186,122 @@ class Orchestrator:
         """Serve one request; streaming deltas go to `emit`, the final Reply is returned.
         Raises RequestError (bad input) or PoolError (decode failed mid-request)."""
         self.check_request(req)
-        out = Reply("", len(req.prompt_ids), 0)
-        timing = _Timing(req.arrival_s)
-        text = TextStream(self.tokenizer, req.params.stop)
-        handoff = self._prefill(req, out)
-        if handoff is not None:
-            self._token_times(out, timing)
-            self._add_tokens(req, out, text, [handoff.first_token], emit)
+        run = RequestRun(req, TextStream(self.tokenizer, req.params.stop), emit, is_cancelled)
+        run.handoff = self._prefill(run)
+        if run.handoff is not None:
+            self._token_times(run)
+            self._add_tokens(run, [run.handoff.first_token])
         self.load.add_decode(1)
         try:
-            finish = self._decode_migrating(req, out, text, handoff, timing, emit, is_cancelled)
+            finish = self._decode_migrating(run)
         finally:
             self.load.add_decode(-1)
-        tail = text.flush()
-        out.finish_reason = finish
-        out.text = tail if req.stream else self._full_text(req, text)
-        self.events.finished(out.served_by, finish, time.perf_counter() - req.arrival_s)
-        return out
+        self.events.finished(run.served_by, finish, time.perf_counter() - req.arrival_s)
+        return run.final_reply(finish)
 
-    def _decode_migrating(self, req, out, text, handoff, timing, emit, is_cancelled) -> str:
+    def _decode_migrating(self, run: RequestRun) -> str:
         """Decode, moving to another decode replica when one fails (up to migration_limit):
         the next one prefills the prompt plus every token already produced and continues, so
         the client's stream goes on with no text repeated or lost (greedy replies equal an
         undisturbed run's). A KV payload that could not be pulled migrates the same way."""
-        current = req
+        req = run.request
         for attempt in range(self.migration_limit + 1):
             try:
-                return self._decode(current, out, text, handoff, timing, emit, is_cancelled)
+                return self._decode(run)
             except PoolError as e:
                 last = attempt == self.migration_limit
-                if last or is_cancelled() or text.stopped:
+                if last or run.is_cancelled() or run.text.stopped:
                     self.events.error("decode", "pool")
                     raise
-                left = req.params.max_tokens - out.num_output_tokens
+                left = req.params.max_tokens - run.num_output_tokens
                 if left <= 0:
                     return FinishReason.LENGTH.value
                 log.warning(
                     "request %s: %s; moving it to another decode replica after %d tokens",
-                    req.request_id, e, out.num_output_tokens,
+                    req.request_id, e, run.num_output_tokens,
                 )  # fmt: skip
                 self.events.error("decode", "migrated")
-                handoff = None
-                current = dataclasses.replace(
+                run.handoff = None
+                run.current = dataclasses.replace(
                     req,
                     request_id=C.child_request_id(req.request_id),
-                    prompt_ids=req.prompt_ids + out.token_ids,
+                    prompt_ids=req.prompt_ids + run.token_ids,
                     params=dataclasses.replace(req.params, max_tokens=left),
                 )
         raise AssertionError("unreachable")
 
-    def _decode(self, req, out, text, handoff, timing, emit, is_cancelled) -> str:
+    def _decode(self, run: RequestRun) -> str:
+        current = run.current
         steps = self.decode_pool.generate(
-            req.request_id,
-            req.params,
-            handoff=handoff,
-            prompt_ids=None if handoff else req.prompt_ids,
+            current.request_id,
+            current.params,
+            handoff=run.handoff,
+            prompt_ids=None if run.handoff else current.prompt_ids,
         )
         try:
-            return self._decode_steps(req, out, text, handoff, timing, emit, is_cancelled, steps)
+            return self._decode_steps(run, steps)
         except BaseException:  # emit failed (the caller is gone) or decode did: stop decode
-            self.decode_pool.cancel(req.request_id)
+            self.decode_pool.cancel(current.request_id)
             raise
 
-    def _decode_steps(self, req, out, text, handoff, timing, emit, is_cancelled, steps) -> str:
+    def _decode_steps(self, run: RequestRun, steps: Iterator[DecodeStep]) -> str:
+        current, handoff = run.current, run.handoff
         finish: str | None = None
         sent = time.perf_counter()
         for step in steps:
-            if not out.decode_pid and handoff is not None:  # decode's acknowledgement
-                self._handoff_done(req, out, handoff, time.perf_counter() - sent)
-            out.decode_pid = step.worker_pid
-            if step.token_ids and handoff is None and timing.last_token_s is None:
+            if not run.decode_pid and handoff is not None:  # decode's acknowledgement
+                self._handoff_done(run, handoff, time.perf_counter() - sent)
+            run.decode_pid = step.worker_pid
+            if step.token_ids and handoff is None and run.last_token_s is None:
                 # decode prefilled this prompt itself: how fast it does that, for the cost model
                 self.cost_model.observe_local_prefill(
-                    len(req.prompt_ids), time.perf_counter() - sent
+                    len(current.prompt_ids), time.perf_counter() - sent
                 )
             if step.token_ids:
-                self._token_times(out, timing, len(step.token_ids))
+                self._token_times(run, len(step.token_ids))
             if finish is None:  # after a stop string or a cancel, drain without adding text
-                self._add_tokens(req, out, text, step.token_ids, emit)
-                if text.stopped:
+                self._add_tokens(run, step.token_ids)
+                if run.text.stopped:
                     finish = FinishReason.STOP.value
-                    self.decode_pool.cancel(req.request_id)
-                elif is_cancelled():
+                    self.decode_pool.cancel(current.request_id)
+                elif run.is_cancelled():
                     finish = FinishReason.ABORT.value
-                    self.decode_pool.cancel(req.request_id)
+                    self.decode_pool.cancel(current.request_id)
             if step.finish_reason is not None:
                 finish = finish or step.finish_reason
         if finish is None:
             raise PoolError("decode stream ended without a finish reason")
         return finish
 
-    def _token_times(self, out: Reply, timing: _Timing, num_tokens: int = 1) -> None:
+    def _token_times(self, run: RequestRun, num_tokens: int = 1) -> None:
         """Token timing: TTFT on the first, the gap since the last response per token after."""
         now = time.perf_counter()
-        if timing.last_token_s is None:
-            self.events.first_token(out.served_by, now - timing.arrival_s)
+        if run.last_token_s is None:
+            self.events.first_token(run.served_by, now - run.request.arrival_s)
             num_tokens, gap = num_tokens - 1, 0.0  # the rest of the first response came with it
         else:
-            gap = (now - timing.last_token_s) / max(num_tokens, 1)
+            gap = (now - run.last_token_s) / max(num_tokens, 1)
         if num_tokens > 0:
-            self.events.token_gap(out.served_by, gap, num_tokens)
+            self.events.token_gap(run.served_by, gap, num_tokens)
             if gap > 0:
                 busy = self.load.snapshot().prefill_queue_tokens > 0
                 self.cost_model.observe_gap(gap, busy)
-        timing.last_token_s = now
+        run.last_token_s = now
 
-    def _handoff_done(self, req, out: Reply, handoff: Handoff, accept_s: float) -> None:
+    def _handoff_done(self, run: RequestRun, handoff: Handoff, accept_s: float) -> None:
         # prefill side: call time less queue and compute; decode side: send -> payload accepted
-        out.kv_bytes = int(handoff.kv_payload.nbytes)  # what passed through here
-        out.kv_handoff_s = max(
+        run.kv_bytes = int(handoff.kv_payload.nbytes)  # what passed through here
+        run.kv_handoff_s = max(
             handoff.call_time_s - handoff.queue_s - handoff.prefill_time_s + accept_s, 0.0
         )
         path, moved = kv_path(handoff.kv_payload)
-        self.events.kv_handoff(moved, out.kv_handoff_s, path)
-        self.cost_model.observe_handoff(len(req.prompt_ids), out.kv_handoff_s)
+        self.events.kv_handoff(moved, run.kv_handoff_s, path)
+        self.cost_model.observe_handoff(run.num_input_tokens, run.kv_handoff_s)
 
-    def _prefill(self, req: GenerateRequest, out: Reply) -> Handoff | None:
+    def _prefill(self, run: RequestRun) -> Handoff | None:
+        req = run.request
         if self.mode == COLOCATED or self.prefill_pool is None:
-            out.served_by = COLOCATED
+            run.served_by = COLOCATED
             return None
         n = len(req.prompt_ids)
         if self.mode == CONDITIONAL:
@@ -328,7 +309,7 @@ class Orchestrator:
             self.events.decision(decision.remote, decision.reason)
             log.debug("request %s: %s", req.request_id, decision.explain())
             if not decision.remote:
-                out.served_by = COLOCATED
+                run.served_by = COLOCATED
                 return None
         start, sent_wall = time.perf_counter(), time.time()
         self.load.add_prefill(n)
@@ -339,7 +320,7 @@ class Orchestrator:
                 "request %s: prefill pool failed (%s); decode prefills it", req.request_id, e
             )
             self.events.error("prefill", "pool")
-            out.served_by = FALLBACK
+            run.served_by = FALLBACK
             return None
         finally:
             self.load.add_prefill(-n)
@@ -349,26 +330,15 @@ class Orchestrator:
         )
         self.events.prefill(queue_s, handoff.prefill_time_s)
         self.cost_model.observe_prefill(n, handoff.prefill_time_s)
-        out.served_by = DISAGGREGATED
-        out.prefill_pid = handoff.worker_pid
+        run.served_by = DISAGGREGATED
+        run.prefill_pid = handoff.worker_pid
         return handoff
 
-    def _add_tokens(
-        self,
-        req: GenerateRequest,
-        out: Reply,
-        text: TextStream,
-        tokens: list[int],
-        emit: Callable[[Reply], None],
-    ) -> None:
+    def _add_tokens(self, run: RequestRun, tokens: list[int]) -> None:
         delta = ""
         for t in tokens:
-            out.token_ids.append(t)
-            out.num_output_tokens += 1
-            if t not in self.eos or req.params.ignore_eos:
-                delta += text.push(t)
-        if req.stream and delta:
-            emit(Reply(delta, out.num_input_tokens, out.num_output_tokens))
-
-    def _full_text(self, req: GenerateRequest, text: TextStream) -> str:
-        return text.text if req.exclude_input_in_output else req.prompt_text + text.text
+            run.token_ids.append(t)
+            if t not in self.eos or run.request.params.ignore_eos:
+                delta += run.text.push(t)
+        if run.request.stream and delta:
+            run.emit(run.delta(delta))
