@@ -94,6 +94,9 @@ class EngineConfig:
     # prompt is prefilled in chunks over several steps, so running sequences keep their pace
     prefill_chunk_tokens: int = 64
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask for
+    # Prefix cache: K/V of finished work kept for later prompts that start the same way, in
+    # tokens (rounded down to whole blocks); 0 turns it off (engine/prefix_cache.py)
+    prefix_cache_tokens: int = 16384
     # Touch the whole KV cache at start: a server pays the page faults (~0.5 ms/MB here)
     # once instead of on the decode steps that first write each page.
     prefault_kv: bool = False
@@ -114,6 +117,10 @@ class EngineConfig:
         if self.num_kv_blocks == 0:
             blocks = self.max_num_seqs * -(-self.max_model_len // self.block_size)
             object.__setattr__(self, "num_kv_blocks", blocks)
+
+    @property
+    def num_prefix_cache_blocks(self) -> int:
+        return self.prefix_cache_tokens // self.block_size
 
     def as_dict(self) -> dict:
         return asdict(self)

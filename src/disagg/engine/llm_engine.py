@@ -22,10 +22,17 @@ import torch
 from disagg.contracts import DecodeStats
 from disagg.engine.config import EngineConfig
 from disagg.engine.kv_payload import KVPayload
+from disagg.engine.kv_reuse import KVReuse
 from disagg.engine.model import KVCacheSlots, Llama
 from disagg.engine.sampling import sample_batch, sample_one
 from disagg.engine.scheduler import Scheduler, SlotMove
-from disagg.engine.sequence import FinishReason, SamplingParams, Sequence, validate_request
+from disagg.engine.sequence import (
+    FinishReason,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    validate_request,
+)
 from disagg.errors import ConfigError, RequestError
 
 
@@ -38,6 +45,7 @@ class PrefillResult:
     kv: KVPayload  # the prompt's K/V: num_tokens == num_prompt_tokens
     seed: int  # effective seed, so decode continues the same random stream
     prefill_time_s: float
+    num_reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -48,10 +56,20 @@ class TokenOutput:
     token_id: int | None  # None: the sequence ended without producing a token this step
     index: int  # position of token_id in the output (0 = first token)
     finish_reason: FinishReason | None  # set on the request's last event
+    num_reused_tokens: int = 0  # with index 0: prompt tokens the prefix cache gave
 
 
 def resolve_seed(params: SamplingParams) -> int:
     return params.seed if params.seed is not None else secrets.randbits(63)
+
+
+def make_kv_reuse(model: Llama, config: EngineConfig) -> KVReuse | None:
+    if config.num_prefix_cache_blocks == 0:
+        return None
+    return KVReuse(
+        model.args, model.compute_dtype, config.num_prefix_cache_blocks, config.block_size,
+        model.device,
+    )  # fmt: skip
 
 
 class PrefillEngine:
@@ -60,6 +78,9 @@ class PrefillEngine:
         valid until the next prefill: for a server that packs each result at once."""
         self.model = model
         self.config = config
+        self.kv_reuse = make_kv_reuse(model, config)
+        # a cached prefix is copied here and the rest of the prompt prefilled after it
+        self._scratch = KVCacheSlots(model.args, 1, config.max_model_len, device=model.device)
         self._kv_buffers = None
         if reuse_kv_buffers and model.device.type == "cpu":
             a = model.args
@@ -70,15 +91,34 @@ class PrefillEngine:
             )
 
     def prefill(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        cache_salt: str = "",
+        use_cache: bool = True,
     ) -> PrefillResult:
+        """The prompt's first token and K/V; a prefix cached here is copied, not recomputed
+        (`use_cache` False: neither read nor written)."""
         validate_request(self.model.args, self.config, prompt_ids, params)
         start = time.perf_counter()
-        logits, k, v = self.model.prefill(prompt_ids, kv_out=self._kv_buffers)
+        reuse = self.kv_reuse if use_cache else None
+        hit = reuse.load_prompt(prompt_ids, cache_salt, self._scratch, 0) if reuse else None
+        if hit is not None and hit.num_cached_tokens:
+            n = hit.num_cached_tokens
+            logits = self.model.prefill_chunk(prompt_ids[n:], n, self._scratch, 0)
+            s = len(prompt_ids)
+            k, v = self._scratch.k[:, 0, :, :s], self._scratch.v[:, 0, :, :s]
+        else:
+            logits, k, v = self.model.prefill(prompt_ids, kv_out=self._kv_buffers)
+        if reuse is not None and hit is not None:
+            reuse.save(prompt_ids, cache_salt, k, v, hashes=hit.hashes)
         seed = resolve_seed(params)
         first = sample_one(logits.cpu(), params, seed, [])
         kv = KVPayload.from_arrays(self.model.args, k.cpu().numpy(), v.cpu().numpy())
-        return PrefillResult(request_id, first, kv, seed, time.perf_counter() - start)
+        reused = hit.num_cached_tokens if hit else 0
+        return PrefillResult(request_id, first, kv, seed, time.perf_counter() - start, reused)
 
 
 class DecodeEngine:
@@ -101,6 +141,7 @@ class DecodeEngine:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.scheduler = Scheduler(config)
+        self.kv_reuse = make_kv_reuse(model, config)
         self.cache = KVCacheSlots(
             model.args,
             config.max_num_seqs,
@@ -110,7 +151,6 @@ class DecodeEngine:
         )
         self._seqs: dict[str, Sequence] = {}
         self._finish_requests: dict[str, FinishReason] = {}
-        self._prompts: dict[str, list[int]] = {}  # co-located requests awaiting prefill
         self._lock = threading.Lock()
         self.num_steps = 0
         # (queue seconds, seconds of prefill done here or None) per admitted sequence: metrics
@@ -125,9 +165,13 @@ class DecodeEngine:
         *,
         prompt_ids: list[int] | None = None,
         prefill: PrefillResult | None = None,
+        cache_salt: str = "",
+        use_cache: bool = True,
     ) -> None:
         """Queue a sequence: with `prefill` (its KV imported) or `prompt_ids` (prefilled
-        here). Raises RequestError for bad input, CapacityError when the queue is full."""
+        here, after what the prefix cache holds of it, in `cache_salt`'s namespace; with
+        `use_cache` False the cache is neither read nor written). Raises RequestError for
+        bad input, CapacityError when the queue is full."""
         if (prompt_ids is None) == (prefill is None):
             raise RequestError("give exactly one of prompt_ids and a prefill result")
         if prefill is not None:
@@ -145,14 +189,15 @@ class DecodeEngine:
             seed,
             self.eos_token_ids,
             pending_kv=prefill.kv if prefill else None,
+            prompt_ids=list(prompt_ids) if prompt_ids is not None else [],
+            cache_salt=cache_salt,
+            use_cache=use_cache and self.kv_reuse is not None,
         )
         with self._lock:
             if request_id in self._seqs:
                 raise RequestError(f"request id {request_id!r} is already in flight")
             self.scheduler.add(seq)
             self._seqs[request_id] = seq
-            if prompt_ids is not None:
-                self._prompts[request_id] = list(prompt_ids)
 
     def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request at the next step (client cancel, stop string seen downstream)."""
@@ -235,12 +280,12 @@ class DecodeEngine:
         decoding = len(self.scheduler.running) - len(prefilling)
         budget = self.config.prefill_chunk_tokens
         if decoding < len(prefilling):
-            budget = sum(len(self._prompts[s.request_id]) - s.prefill_pos for s in prefilling)
+            budget = sum(s.prompt_len - s.prefill_pos for s in prefilling)
         done: list[Sequence] = []
         for seq in prefilling:
             if budget <= 0:
                 break
-            prompt = self._prompts[seq.request_id]
+            prompt = seq.prompt_ids
             n = len(prompt) - seq.prefill_pos
             if self._others_decoding(seq):  # nobody to keep waiting: the rest at once
                 n = min(budget, n)
@@ -250,11 +295,10 @@ class DecodeEngine:
             budget -= n
             if seq.prefill_pos < len(prompt):
                 continue
-            del self._prompts[seq.request_id]
             first = sample_one(logits.cpu(), seq.params, seq.seed, [])
             seq.output_ids.append(first)
             reason = self.scheduler.stop_reason(seq)
-            outputs.append(TokenOutput(seq.request_id, first, 0, reason))
+            outputs.append(TokenOutput(seq.request_id, first, 0, reason, seq.num_reused_tokens))
             self._admitted_hook(seq, time.perf_counter() - seq.admitted_s)
             if reason is not None:
                 done.append(seq)
@@ -277,9 +321,14 @@ class DecodeEngine:
         without, whole when it fits this step's chunk budget, else in chunks from this step
         on). Returns True if its first token already ends it."""
         seq.admitted_s = time.perf_counter()
-        long = seq.prompt_len > self.config.prefill_chunk_tokens
+        if seq.pending_kv is None and seq.use_cache:
+            assert self.kv_reuse is not None
+            hit = self.kv_reuse.load_prompt(seq.prompt_ids, seq.cache_salt, self.cache, seq.slot)
+            seq.num_reused_tokens = hit.num_cached_tokens
+        left = seq.prompt_len - seq.num_reused_tokens
+        long = left > self.config.prefill_chunk_tokens
         if seq.pending_kv is None and long and self._others_decoding(seq):
-            seq.prefill_pos = 0  # _prefill_chunks takes it from here
+            seq.prefill_pos = seq.num_reused_tokens  # _prefill_chunks takes it from here
             return False
         prefill_here = seq.pending_kv is None
         done = self._admit_kv(seq, outputs)
@@ -295,13 +344,16 @@ class DecodeEngine:
             if reason is not None:
                 outputs.append(TokenOutput(seq.request_id, None, len(seq.output_ids), reason))
         else:
-            prompt = self._prompts.pop(seq.request_id)
-            logits, k, v = self.model.prefill(prompt)
-            self.cache.write(seq.slot, k, v)
+            prompt, n = seq.prompt_ids, seq.num_reused_tokens
+            if n:  # positions 0..n-1 came from the prefix cache
+                logits = self.model.prefill_chunk(prompt[n:], n, self.cache, seq.slot)
+            else:
+                logits, k, v = self.model.prefill(prompt)
+                self.cache.write(seq.slot, k, v)
             first = sample_one(logits.cpu(), seq.params, seq.seed, [])
             seq.output_ids.append(first)
             reason = self.scheduler.stop_reason(seq)
-            outputs.append(TokenOutput(seq.request_id, first, 0, reason))
+            outputs.append(TokenOutput(seq.request_id, first, 0, reason, n))
         return reason is not None
 
     def _finish(
@@ -315,11 +367,22 @@ class DecodeEngine:
         assert reason is not None
         if seq.is_finished:
             return
+        self._keep_blocks(seq)
         move: SlotMove | None = self.scheduler.finish(seq, reason)
         if move is not None:
             self.cache.move(move.src, move.dst, move.num_tokens)
         self._seqs.pop(seq.request_id, None)
-        self._prompts.pop(seq.request_id, None)
         self._finish_requests.pop(seq.request_id, None)
         if not announced:
             outputs.append(TokenOutput(seq.request_id, None, len(seq.output_ids), reason))
+
+    def _keep_blocks(self, seq: Sequence) -> None:
+        """Leave a leaving sequence's full blocks (prompt and output tokens whose K/V are in
+        its slot) in the prefix cache, before its slot is reused."""
+        if not seq.use_cache or seq.status is not SequenceStatus.RUNNING or not seq.prompt_ids:
+            return
+        assert self.kv_reuse is not None
+        tokens = (seq.prompt_ids + seq.output_ids)[: seq.num_cached_tokens]
+        self.kv_reuse.save(
+            tokens, seq.cache_salt, self.cache.k[:, seq.slot], self.cache.v[:, seq.slot]
+        )

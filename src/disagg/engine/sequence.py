@@ -103,6 +103,11 @@ class Sequence:
     # (None: the sequence came with its KV cache, or was prefilled whole)
     prefill_pos: int | None = None
     admitted_s: float = 0.0
+    # the prompt, for sequences decode prefills itself ([] when its KV came with it)
+    prompt_ids: list[int] = field(default_factory=list, repr=False)
+    cache_salt: str = ""  # prefix cache namespace (a tenant's); "" shared
+    use_cache: bool = True  # False: neither reuse cached K/V nor leave any behind
+    num_reused_tokens: int = 0  # leading prompt tokens whose K/V came from the prefix cache
 
     @property
     def prefilling(self) -> bool:

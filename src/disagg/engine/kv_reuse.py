@@ -1,0 +1,104 @@
+"""Prefix caching for an engine: the index (`prefix_cache.PrefixCache`) over the bytes
+(`KVBlockStore`), copying cached blocks into a sequence's K/V and finished blocks out.
+Why copies and not shared pages: `prefix_cache.py`'s design note."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from disagg.engine.config import ModelArgs
+from disagg.engine.kernels import CPU
+from disagg.engine.model import KVCacheSlots
+from disagg.engine.prefix_cache import BlockHash, PrefixCache, block_hashes, root_hash
+
+
+class KVBlockStore:
+    """Row b holds one cached block's K/V. k, v: [num_blocks, L, H_kv, block_size, D],
+    calloc'd like the decode slots (a row costs memory once written)."""
+
+    def __init__(
+        self, args: ModelArgs, num_blocks: int, block_size: int, device: torch.device = CPU
+    ) -> None:
+        shape = (num_blocks, args.n_layers, args.n_kv_heads, block_size, args.head_dim)
+        if device.type == "cpu":
+            self.k = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+            self.v = torch.from_numpy(np.zeros(shape, dtype=np.float32))
+        else:
+            self.k = torch.zeros(shape, dtype=torch.float32, device=device)
+            self.v = torch.zeros_like(self.k)
+        self.block_size = block_size
+
+    def load(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks one after another: k, v [L, H_kv, n * block_size, D]."""
+        ids = torch.tensor(block_ids, device=self.k.device)
+        _, layers, heads, bs, d = self.k.shape
+        k, v = (
+            t.index_select(0, ids).permute(1, 2, 0, 3, 4).reshape(layers, heads, -1, d)
+            for t in (self.k, self.v)
+        )
+        return k, v
+
+    def save(
+        self, block_ids: list[int], positions: list[int], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store block positions[i] (tokens positions[i] * bs onwards) of k, v ([L, H_kv, S, D],
+        a slot of the decode cache or a prefill's output) as row block_ids[i]."""
+        bs = self.block_size
+        for dst, src in ((self.k, k), (self.v, v)):
+            for block, pos in zip(block_ids, positions, strict=True):
+                dst[block] = src[:, :, pos * bs : (pos + 1) * bs]
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    hashes: list[BlockHash]  # of the prompt's full blocks
+    num_cached_tokens: int  # leading prompt tokens whose K/V came from the cache
+
+
+class KVReuse:
+    """One engine's prefix cache. Used from the engine's own thread only."""
+
+    def __init__(
+        self, args: ModelArgs, compute_dtype: str, num_blocks: int, block_size: int,
+        device: torch.device = CPU,
+    ) -> None:  # fmt: skip
+        self.index = PrefixCache(num_blocks, block_size)
+        self.store = KVBlockStore(args, num_blocks, block_size, device)
+        self.block_size = block_size
+        self._root = root_hash(args.fingerprint, compute_dtype, block_size)
+
+    def hashes(self, token_ids: Seq[int], salt: str) -> list[BlockHash]:
+        return block_hashes(self._root, token_ids, self.block_size, salt)
+
+    def load_prompt(
+        self, prompt_ids: Seq[int], salt: str, cache: KVCacheSlots, slot: int
+    ) -> CacheHit:
+        """Copy the prompt's longest cached prefix into positions 0.. of `slot`. At least
+        the last prompt token is left to compute: its logits give the first token."""
+        hashes = self.hashes(prompt_ids, salt)
+        usable = (len(prompt_ids) - 1) // self.block_size
+        found = self.index.match(hashes[:usable])
+        try:
+            if found:
+                k, v = self.store.load(found)
+                cache.write(slot, k, v)
+        finally:
+            self.index.release(found)
+        return CacheHit(hashes, len(found) * self.block_size)
+
+    def save(
+        self, token_ids: Seq[int], salt: str, k: torch.Tensor, v: torch.Tensor,
+        hashes: list[BlockHash] | None = None,
+    ) -> int:  # fmt: skip
+        """Keep the full blocks of `token_ids`, whose K/V are k, v[:, :, :len(token_ids)]
+        ([L, H_kv, >= S, D]); returns how many blocks were new."""
+        if hashes is None:
+            hashes = self.hashes(token_ids, salt)
+        placed = self.index.allocate(hashes)
+        if placed:
+            self.store.save([b for _, b in placed], [i for i, _ in placed], k, v)
+        return len(placed)
