@@ -38,9 +38,10 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _decode(llm, prompts, cache_tokens: int, concurrent: bool, salts=None, chunk=64):
+def _decode(llm, prompts, cache_tokens, concurrent, salts=None, chunk=64, first_alone=True):
     """Greedy replies, one after another, or (concurrent) the first alone and then the rest
-    together, in chunks of `chunk` prompt tokens beside each other's decode steps."""
+    together, in chunks of `chunk` prompt tokens beside each other's decode steps (all
+    together, a burst, without `first_alone`)."""
     config = EngineConfig(
         max_num_seqs=4, max_model_len=1024, prefix_cache_tokens=cache_tokens,
         prefill_chunk_tokens=chunk,
@@ -60,7 +61,7 @@ def _decode(llm, prompts, cache_tokens: int, concurrent: bool, salts=None, chunk
     for i, p in enumerate(prompts):
         salt = salts[i] if salts else ""
         engine.add_request(f"r{i}", PARAMS, prompt_ids=p, cache_salt=salt)
-        if not concurrent or i == 0:
+        if not concurrent or (i == 0 and first_alone):
             run()
     run()
     return (
@@ -90,6 +91,16 @@ def test_reuse_in_chunks_beside_running_sequences_replies_as_without_cache(llm):
     off, _, _ = _decode(llm, prompts, 0, concurrent=True, chunk=16)
     on, reused, _ = _decode(llm, prompts, 8192, concurrent=True, chunk=16)
     assert on == off and min(reused[1:]) > 100
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once(llm):
+    """Arriving together, the prompts are prefilled one after another in the same step: the
+    first one's blocks are kept as soon as its prompt is in, so the others find them."""
+    prompts = _prompts(llm)
+    off, _, _ = _decode(llm, prompts, 0, concurrent=True, first_alone=False)
+    on, reused, _ = _decode(llm, prompts, 8192, concurrent=True, first_alone=False)
+    assert on == off
+    assert sorted(reused)[0] == 0 and sorted(reused)[1] > 100  # one computed it, for all
 
 
 def test_a_second_turn_reuses_the_first_turns_reply(llm):

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from disagg.engine.config import ModelArgs
+from disagg.engine.config import EngineConfig, ModelArgs
 from disagg.engine.kernels import CPU
 from disagg.engine.model import KVCacheSlots
 from disagg.engine.prefix_cache import BlockHash, PrefixCache, block_hashes, root_hash
+
+if TYPE_CHECKING:
+    from disagg.engine.model import Llama
+    from disagg.engine.sequence import Sequence
 
 
 class KVBlockStore:
@@ -90,6 +95,20 @@ class KVReuse:
             self.index.release(found)
         return CacheHit(hashes, len(found) * self.block_size)
 
+    def peek(self, seq: Sequence) -> int:
+        """How many prompt tokens `load_prompt` would copy now (counted in no statistic)."""
+        hashes = self.hashes(seq.prompt_ids, seq.cache_salt)
+        found = self.index.match(hashes[: (seq.prompt_len - 1) // self.block_size], count=False)
+        self.index.release(found)
+        return len(found) * self.block_size
+
+    def keep(self, seq: Sequence, cache: KVCacheSlots) -> None:
+        """Keep the full blocks of a running sequence decode prefilled (prompt and output
+        tokens whose K/V are in its slot)."""
+        if seq.prompt_ids:  # [] for a sequence whose K/V came from the prefill pool
+            tokens = (seq.prompt_ids + seq.output_ids)[: seq.num_cached_tokens]
+            self.save(tokens, seq.cache_salt, cache.k[:, seq.slot], cache.v[:, seq.slot])
+
     def save(
         self, token_ids: Seq[int], salt: str, k: torch.Tensor, v: torch.Tensor,
         hashes: list[BlockHash] | None = None,
@@ -102,3 +121,13 @@ class KVReuse:
         if placed:
             self.store.save([b for _, b in placed], [i for i, _ in placed], k, v)
         return len(placed)
+
+
+def kv_reuse_for(model: Llama, config: EngineConfig) -> KVReuse | None:
+    """The prefix cache `config` asks for (None: off)."""
+    if config.num_prefix_cache_blocks == 0:
+        return None
+    return KVReuse(
+        model.args, model.compute_dtype, config.num_prefix_cache_blocks, config.block_size,
+        model.device,
+    )  # fmt: skip

@@ -22,7 +22,7 @@ import torch
 from disagg.contracts import DecodeStats
 from disagg.engine.config import EngineConfig
 from disagg.engine.kv_payload import KVPayload
-from disagg.engine.kv_reuse import KVReuse
+from disagg.engine.kv_reuse import kv_reuse_for
 from disagg.engine.model import KVCacheSlots, Llama
 from disagg.engine.sampling import sample_batch, sample_one
 from disagg.engine.scheduler import Scheduler, SlotMove
@@ -63,22 +63,13 @@ def resolve_seed(params: SamplingParams) -> int:
     return params.seed if params.seed is not None else secrets.randbits(63)
 
 
-def make_kv_reuse(model: Llama, config: EngineConfig) -> KVReuse | None:
-    if config.num_prefix_cache_blocks == 0:
-        return None
-    return KVReuse(
-        model.args, model.compute_dtype, config.num_prefix_cache_blocks, config.block_size,
-        model.device,
-    )  # fmt: skip
-
-
 class PrefillEngine:
     def __init__(self, model: Llama, config: EngineConfig, reuse_kv_buffers: bool = False) -> None:
         """With `reuse_kv_buffers`, every result's K/V are views of one pair of buffers,
         valid until the next prefill: for a server that packs each result at once."""
         self.model = model
         self.config = config
-        self.kv_reuse = make_kv_reuse(model, config)
+        self.kv_reuse = kv_reuse_for(model, config)
         # a cached prefix is copied here and the rest of the prompt prefilled after it
         self._scratch = KVCacheSlots(model.args, 1, config.max_model_len, device=model.device)
         self._kv_buffers = None
@@ -141,7 +132,7 @@ class DecodeEngine:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.scheduler = Scheduler(config)
-        self.kv_reuse = make_kv_reuse(model, config)
+        self.kv_reuse = kv_reuse_for(model, config)
         self.cache = KVCacheSlots(
             model.args,
             config.max_num_seqs,
@@ -289,20 +280,42 @@ class DecodeEngine:
             n = len(prompt) - seq.prefill_pos
             if self._others_decoding(seq):  # nobody to keep waiting: the rest at once
                 n = min(budget, n)
+            if seq.prefill_pos == 0:  # its first chunk: what is cached now is not computed
+                seq.prefill_pos = self._reuse(seq)
+                n = min(n, len(prompt) - seq.prefill_pos)
             chunk = prompt[seq.prefill_pos : seq.prefill_pos + n]
             logits = self.model.prefill_chunk(chunk, seq.prefill_pos, self.cache, seq.slot)
             seq.prefill_pos += n
             budget -= n
             if seq.prefill_pos < len(prompt):
                 continue
-            first = sample_one(logits.cpu(), seq.params, seq.seed, [])
-            seq.output_ids.append(first)
-            reason = self.scheduler.stop_reason(seq)
-            outputs.append(TokenOutput(seq.request_id, first, 0, reason, seq.num_reused_tokens))
+            reason = self._first_token(seq, logits, outputs)
             self._admitted_hook(seq, time.perf_counter() - seq.admitted_s)
             if reason is not None:
                 done.append(seq)
         return done
+
+    def _reuse(self, seq: Sequence) -> int:
+        """Copy what the prefix cache holds of the prompt into the slot: how many tokens."""
+        if seq.use_cache:
+            assert self.kv_reuse is not None
+            hit = self.kv_reuse.load_prompt(seq.prompt_ids, seq.cache_salt, self.cache, seq.slot)
+            seq.num_reused_tokens = hit.num_cached_tokens
+        return seq.num_reused_tokens
+
+    def _first_token(
+        self, seq: Sequence, logits: torch.Tensor, outputs: list[TokenOutput]
+    ) -> FinishReason | None:
+        """The prompt is in the slot: keep its blocks for later prompts, sample the first
+        token. Returns why it already ends the sequence, if it does."""
+        if seq.use_cache:
+            assert self.kv_reuse is not None
+            self.kv_reuse.keep(seq, self.cache)
+        first = sample_one(logits.cpu(), seq.params, seq.seed, [])
+        seq.output_ids.append(first)
+        reason = self.scheduler.stop_reason(seq)
+        outputs.append(TokenOutput(seq.request_id, first, 0, reason, seq.num_reused_tokens))
+        return reason
 
     def _others_decoding(self, seq: Sequence) -> bool:
         """Whether a sequence other than `seq` is decoding: only then is a prompt chunked
@@ -321,16 +334,12 @@ class DecodeEngine:
         without, whole when it fits this step's chunk budget, else in chunks from this step
         on). Returns True if its first token already ends it."""
         seq.admitted_s = time.perf_counter()
-        if seq.pending_kv is None and seq.use_cache:
-            assert self.kv_reuse is not None
-            hit = self.kv_reuse.load_prompt(seq.prompt_ids, seq.cache_salt, self.cache, seq.slot)
-            seq.num_reused_tokens = hit.num_cached_tokens
-        left = seq.prompt_len - seq.num_reused_tokens
-        long = left > self.config.prefill_chunk_tokens
-        if seq.pending_kv is None and long and self._others_decoding(seq):
-            seq.prefill_pos = seq.num_reused_tokens  # _prefill_chunks takes it from here
-            return False
         prefill_here = seq.pending_kv is None
+        cached = self.kv_reuse.peek(seq) if prefill_here and self.kv_reuse else 0
+        long = seq.prompt_len - cached > self.config.prefill_chunk_tokens
+        if prefill_here and long and self._others_decoding(seq):
+            seq.prefill_pos = 0  # _prefill_chunks takes it from here
+            return False
         done = self._admit_kv(seq, outputs)
         self._admitted_hook(seq, time.perf_counter() - seq.admitted_s if prefill_here else None)
         return done
@@ -344,16 +353,13 @@ class DecodeEngine:
             if reason is not None:
                 outputs.append(TokenOutput(seq.request_id, None, len(seq.output_ids), reason))
         else:
-            prompt, n = seq.prompt_ids, seq.num_reused_tokens
+            prompt, n = seq.prompt_ids, self._reuse(seq)
             if n:  # positions 0..n-1 came from the prefix cache
                 logits = self.model.prefill_chunk(prompt[n:], n, self.cache, seq.slot)
             else:
                 logits, k, v = self.model.prefill(prompt)
                 self.cache.write(seq.slot, k, v)
-            first = sample_one(logits.cpu(), seq.params, seq.seed, [])
-            seq.output_ids.append(first)
-            reason = self.scheduler.stop_reason(seq)
-            outputs.append(TokenOutput(seq.request_id, first, 0, reason, n))
+            reason = self._first_token(seq, logits, outputs)
         return reason is not None
 
     def _finish(
@@ -367,7 +373,9 @@ class DecodeEngine:
         assert reason is not None
         if seq.is_finished:
             return
-        self._keep_blocks(seq)
+        if seq.use_cache and seq.status is SequenceStatus.RUNNING:
+            assert self.kv_reuse is not None
+            self.kv_reuse.keep(seq, self.cache)  # before another sequence reuses the slot
         move: SlotMove | None = self.scheduler.finish(seq, reason)
         if move is not None:
             self.cache.move(move.src, move.dst, move.num_tokens)
@@ -375,14 +383,3 @@ class DecodeEngine:
         self._finish_requests.pop(seq.request_id, None)
         if not announced:
             outputs.append(TokenOutput(seq.request_id, None, len(seq.output_ids), reason))
-
-    def _keep_blocks(self, seq: Sequence) -> None:
-        """Leave a leaving sequence's full blocks (prompt and output tokens whose K/V are in
-        its slot) in the prefix cache, before its slot is reused."""
-        if not seq.use_cache or seq.status is not SequenceStatus.RUNNING or not seq.prompt_ids:
-            return
-        assert self.kv_reuse is not None
-        tokens = (seq.prompt_ids + seq.output_ids)[: seq.num_cached_tokens]
-        self.kv_reuse.save(
-            tokens, seq.cache_salt, self.cache.k[:, seq.slot], self.cache.v[:, seq.slot]
-        )
