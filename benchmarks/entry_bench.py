@@ -28,6 +28,7 @@ from pathlib import Path
 import openai
 from serving_bench import PROMPTS  # benchmarks/ is the script's own directory
 
+from disagg import contracts as C
 from disagg.client import GrpcClient
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
@@ -57,10 +58,10 @@ API_KEY = "sk-entry-bench"
 
 def body(i: int) -> dict:
     return {
-        "text_input": PROMPTS[i % len(PROMPTS)],
-        "apply_chat_template": True,
-        "max_tokens": MAX_TOKENS,
-        "exclude_input_in_output": True,
+        C.TEXT_INPUT: PROMPTS[i % len(PROMPTS)],
+        C.APPLY_CHAT_TEMPLATE: True,
+        C.MAX_TOKENS: MAX_TOKENS,
+        C.EXCLUDE_INPUT_IN_OUTPUT: True,
     }
 
 

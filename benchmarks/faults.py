@@ -24,6 +24,7 @@ from pathlib import Path
 
 import openai
 
+from disagg import contracts as C
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
@@ -34,18 +35,18 @@ from soak import stub_pids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-faults"
-LONG = {"text_input": "Tell me a long story.", "max_tokens": 300, "ignore_eos": True}
+LONG = {C.TEXT_INPUT: "Tell me a long story.", C.MAX_TOKENS: 300, C.IGNORE_EOS: True}
 HUNG_S = 30  # a request still open this long after the kill counts as hung
 
 
 def requests(server: TritonServer, gateway_url: str, long_prompt: bool = False):
     text = "Summarise: " + "the quick brown fox jumps over the lazy dog. " * 120
-    body = {**LONG, "text_input": text} if long_prompt else LONG
+    body = {**LONG, C.TEXT_INPUT: text} if long_prompt else LONG
     http = HttpClient(server.endpoints.http, timeout_s=120)
     oa = openai.OpenAI(base_url=gateway_url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     chat = {
         "model": "smollm2-135m-instruct",
-        "messages": [{"role": "user", "content": body["text_input"]}],
+        "messages": [{"role": "user", "content": body[C.TEXT_INPUT]}],
         "max_tokens": 300,
         "extra_body": {"ignore_eos": True},
     }
@@ -113,7 +114,7 @@ def _probe(server: TritonServer, model: str, num_stubs: int, killed: float, back
     http = HttpClient(server.endpoints.http, timeout_s=10)
     while time.monotonic() - killed < 180:
         try:
-            http.generate("router", {"text_input": "Hi", "max_tokens": 2})
+            http.generate("router", {C.TEXT_INPUT: "Hi", C.MAX_TOKENS: 2})
             if sum(m == model for m in stub_pids(server.proc.pid).values()) == num_stubs:
                 back.append(time.monotonic() - killed)
                 return

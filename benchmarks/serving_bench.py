@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from disagg import contracts as C
 from disagg.client import HttpClient
 from disagg.engine.sequence import SamplingParams
 from disagg.llm import LLM
@@ -55,7 +56,7 @@ def engine_ttft(llm: LLM, prompt: str, reps: int) -> float:
 
 
 def served_ttft(http: HttpClient, prompt: str, reps: int) -> float:
-    body = {"text_input": prompt, "apply_chat_template": True, "max_tokens": 4}
+    body = {C.TEXT_INPUT: prompt, C.APPLY_CHAT_TEMPLATE: True, C.MAX_TOKENS: 4}
     http.generate("ensemble", body, stream=True)
     return statistics.median(
         http.generate("ensemble", body, stream=True).ttft_s for _ in range(reps)
@@ -77,9 +78,9 @@ def served_throughput(http: HttpClient, n: int, max_tokens: int) -> tuple[float,
         results[i] = http.generate(
             "ensemble",
             {
-                "text_input": PROMPTS[i % len(PROMPTS)],
-                "apply_chat_template": True,
-                "max_tokens": max_tokens,
+                C.TEXT_INPUT: PROMPTS[i % len(PROMPTS)],
+                C.APPLY_CHAT_TEMPLATE: True,
+                C.MAX_TOKENS: max_tokens,
             },
             stream=True,
         )
@@ -98,8 +99,8 @@ def handoff(http: HttpClient, n_tokens: int, reps: int) -> dict:
     rows = []
     for i in range(reps + 1):
         ids = torch.randint(100, 40000, (n_tokens,), generator=torch.Generator().manual_seed(i))
-        r = http.generate("orchestrator", {"input_ids": ids.tolist(), "max_tokens": 2}, stream=True)
-        rows.append((r.ttft_s, r.extra["kv_handoff_us"] / 1e6, r.extra["kv_bytes"]))
+        r = http.generate("orchestrator", {C.INPUT_IDS: ids.tolist(), C.MAX_TOKENS: 2}, stream=True)
+        rows.append((r.ttft_s, r.extra[C.KV_HANDOFF_US] / 1e6, r.extra[C.KV_BYTES]))
     rows = rows[1:]  # the first one warms up shared memory
     ttft = statistics.median(r[0] for r in rows)
     t = statistics.median(r[1] for r in rows)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from disagg import contracts as C
 from disagg.client import GenerateError, GrpcClient, HttpClient
 
 
@@ -31,19 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task-type", help="routing hint (model router), e.g. batch_offline")
     a = p.parse_args(argv)
     inputs = {
-        "text_input": a.prompt,
-        "max_tokens": a.max_tokens,
-        "temperature": a.temperature,
-        "top_p": a.top_p,
-        "apply_chat_template": a.chat,
-        "exclude_input_in_output": True,
+        C.TEXT_INPUT: a.prompt,
+        C.MAX_TOKENS: a.max_tokens,
+        C.TEMPERATURE: a.temperature,
+        C.TOP_P: a.top_p,
+        C.APPLY_CHAT_TEMPLATE: a.chat,
+        C.EXCLUDE_INPUT_IN_OUTPUT: True,
     }
     if a.seed is not None:
-        inputs["seed"] = a.seed
+        inputs[C.SEED] = a.seed
     if a.latency_sla_ms is not None:
-        inputs["latency_sla_ms"] = a.latency_sla_ms
+        inputs[C.LATENCY_SLA_MS] = a.latency_sla_ms
     if a.task_type:
-        inputs["task_type"] = a.task_type
+        inputs[C.TASK_TYPE] = a.task_type
     stream = not a.no_stream
     show = (lambda d: print(d, end="", flush=True)) if stream else None
     try:
@@ -66,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{result.tokens_per_s:.1f} tok/s]",
         file=sys.stderr,
     )
-    if result.extra.get("route_target"):
+    if result.extra.get(C.ROUTE_TARGET):
         print(
-            f"[routed to {result.extra['route_target']} ({result.extra.get('route_reason')}), "
-            f"served by {result.extra.get('served_by')}]",
+            f"[routed to {result.extra[C.ROUTE_TARGET]} ({result.extra.get(C.ROUTE_REASON)}), "
+            f"served by {result.extra.get(C.SERVED_BY)}]",
             file=sys.stderr,
         )
-    if result.extra.get("error"):
-        print(f"[error: {result.extra['error']}]", file=sys.stderr)
+    if result.extra.get(C.ERROR):
+        print(f"[error: {result.extra[C.ERROR]}]", file=sys.stderr)
     return 0
 
 

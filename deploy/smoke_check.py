@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.request
 
-from disagg import contracts as P
+from disagg import contracts as C
 from disagg.client import GrpcClient
 
 PROMPT = "Name three colours of the rainbow."
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     a = p.parse_args(argv)
     grpc = GrpcClient(a.triton_grpc, timeout_s=300)
-    inputs = {P.TEXT_INPUT: PROMPT, P.MAX_TOKENS: 24, "apply_chat_template": True}
+    inputs = {C.TEXT_INPUT: PROMPT, C.MAX_TOKENS: 24, C.APPLY_CHAT_TEMPLATE: True}
 
     def triton(stream: bool) -> tuple[str, str]:
         r = grpc.generate("router", inputs, stream=stream)

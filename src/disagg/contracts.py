@@ -9,7 +9,9 @@ one JSON string, the KV cache as the bytes of a `KVPayload`.
 
 from __future__ import annotations
 
+import enum
 import json
+import os
 import re
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -57,25 +59,8 @@ NUM_INPUT_TOKENS = "num_input_tokens"
 NUM_OUTPUT_TOKENS = "num_output_tokens"
 FINISH_REASON = "finish_reason"
 
-# How the orchestrator reads the client-facing generation inputs (pb.read_fields kinds); the
-# router takes the same and forwards them to the orchestrator unchanged.
-GENERATION_INPUTS = {
-    TEXT_INPUT: "str",
-    MAX_TOKENS: "int",
-    STREAM: "bool",
-    TEMPERATURE: "float",
-    TOP_K: "int",
-    TOP_P: "float",
-    SEED: "int",
-    STOP_WORDS: "strs",
-    BAD_WORDS: "strs",
-    END_ID: "int",
-    PAD_ID: "int",
-    EXCLUDE_INPUT_IN_OUTPUT: "bool",
-    RETURN_NUM_INPUT_TOKENS: "bool",
-    RETURN_NUM_OUTPUT_TOKENS: "bool",
-    IGNORE_EOS: "bool",
-}
+# Which of these tensors make up each model's inputs and outputs, with their dtypes and
+# shapes: disagg.codec (one codec per boundary message).
 
 # ------------------------------------------------------------------ tokenizer -> orchestrator
 INPUT_IDS = "input_ids"  # INT32 [-1]
@@ -125,14 +110,22 @@ TOKEN_PARAM = "disagg_token"
 CALLER_PID_PARAM = "disagg_caller_pid"
 TOKEN_ENV = "DISAGG_INTERNAL_TOKEN"
 ERROR_KIND = "error_kind"  # BYTES [1]: "" on success
-INVALID_REQUEST, UNAVAILABLE, INTERNAL = "invalid_request", "unavailable", "internal"
-ERROR_KINDS = (INVALID_REQUEST, UNAVAILABLE, INTERNAL)
 
-# The ensemble's four outputs, present on every response; the router's final one adds
-# ROUTER_EXTRAS, the orchestrator's adds ORCHESTRATOR_EXTRAS.
-CLIENT_OUTPUTS = (TEXT_OUTPUT, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS, FINISH_REASON)
-ROUTER_EXTRAS = (ROUTE_TARGET, ROUTE_REASON, SERVED_BY, ERROR)
-ORCHESTRATOR_EXTRAS = (SERVED_BY, PREFILL_PID, DECODE_PID, KV_BYTES, KV_HANDOFF_US)
+
+class ErrorKind(enum.StrEnum):
+    """The kind of a failure, as it travels between models (ERROR_KIND, the tag of an error
+    message) and in metric labels; errors.py's layers map onto it in `error_kind_of`."""
+
+    INVALID_REQUEST = "invalid_request"  # the client's: retrying it unchanged cannot succeed
+    UNAVAILABLE = "unavailable"  # busy, or a pool down: route around it, retry later
+    INTERNAL = "internal"  # a bug, or Triton's own error
+
+
+INVALID_REQUEST, UNAVAILABLE, INTERNAL = (
+    ErrorKind.INVALID_REQUEST, ErrorKind.UNAVAILABLE, ErrorKind.INTERNAL,
+)  # fmt: skip
+ERROR_KINDS = tuple(ErrorKind)
+
 FINISH_ERROR = "error"  # finish_reason: a stage failed after part of the answer was sent
 
 # ------------------------------------------------------------------ serving modes
@@ -148,7 +141,12 @@ ADMIN_KEY_ENV = "DISAGG_ADMIN_KEY"
 REQUEST_ID_HEADER = "x-request-id"  # the gateway's; becomes the router's request id
 
 
-def error_kind_of(exc: BaseException) -> str:
+def internal_token() -> str:
+    """This server's internal token ("" when unset): the one place it is read."""
+    return os.environ.get(TOKEN_ENV, "")
+
+
+def error_kind_of(exc: BaseException) -> ErrorKind:
     """The kind of a failure, as it travels between models and in metric labels."""
     if isinstance(exc, RequestError):
         return INVALID_REQUEST
@@ -194,14 +192,14 @@ def tag_error(kind: str, message: str) -> str:
     return message if _TAG.search(message) else f"[{kind}] {message}"
 
 
-def split_error(message: str) -> tuple[str, str]:
+def split_error(message: str) -> tuple[ErrorKind, str]:
     """(kind, message without the tag) of an error message from a model; INTERNAL when
     untagged (Triton's own errors). Triton may put words of its own before a model's
     message (`in ensemble 'x', ...`), so the tag is looked for anywhere."""
     m = _TAG.search(message)
     if m is None:
         return INTERNAL, message
-    return m.group(1), message[m.end() :]
+    return ErrorKind(m.group(1)), message[m.end() :]
 
 
 # ------------------------------------------------------------------ request ids

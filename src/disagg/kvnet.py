@@ -3,13 +3,15 @@
 A prefill server that serves remote decode servers keeps each payload it computed under a
 lease (`KVLeases`) and answers with a small reference instead of the bytes:
 
-    b"DKVREF1" + JSON {"addr": "host:port", "handle": hex, "nbytes": n, "token_id": ...}
+    b"DKVREF1" + JSON {"addr": "host:port", "handle": 32 hex digits, "nbytes": n}
 
 The orchestrator forwards the reference like any payload; the decode server that gets it
 pulls the bytes straight from the prefill server's `KVServer` (plain TCP, one connection per
 pull) and verifies them as any payload (magic, layout, model fingerprint, CRC32: a failed or
-partial transfer never reaches the cache). A lease ends when its payload is pulled, when the
-orchestrator aborts it (the request was cancelled or went elsewhere), or after `ttl_s`.
+partial transfer never reaches the cache). A lease ends when its payload is pulled or after
+`ttl_s`. DROP (`drop`) frees one at once; nothing calls it yet: it is there for a later
+cancellation feature, an orchestrator dropping the lease of a request that was cancelled or
+went elsewhere (the TTL frees those today).
 
 Wire protocol (little endian), request: b"KVP1" | verb (b"PULL" or b"DROP") | 16-byte handle |
 32-byte sha256 of the internal token. Response: status byte (0 ok, 1 unknown handle, 2 refused)
@@ -24,7 +26,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
 import struct
@@ -251,7 +252,8 @@ def pull(ref: KVRef, token: str, timeout_s: float = 30.0, out: np.ndarray | None
 
 
 def drop(ref: KVRef, token: str, timeout_s: float = 5.0) -> bool:
-    """Free a lease nobody will pull (best effort: the TTL frees it otherwise)."""
+    """Free a lease nobody will pull (best effort: the TTL frees it otherwise). Unused yet:
+    for a later cancellation feature (see the module's docstring)."""
     try:
         conn, _ = _request(ref, b"DROP", token, timeout_s)
     except KVPayloadError:
@@ -261,11 +263,8 @@ def drop(ref: KVRef, token: str, timeout_s: float = 5.0) -> bool:
 
 
 def advertise_host(bind_host: str) -> str:
-    """The address decode servers reach this one at: DISAGG_ADVERTISE_HOST, or the bind host
-    unless it is a wildcard (then this host's name)."""
-    explicit = os.environ.get("DISAGG_ADVERTISE_HOST")
-    if explicit:
-        return explicit
+    """The address decode servers reach this one at when the advertise_host setting is not
+    given: the bind host, unless it is a wildcard (then this host's name)."""
     if bind_host in ("0.0.0.0", "::"):
         return socket.gethostname()
     return bind_host

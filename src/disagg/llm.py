@@ -10,7 +10,6 @@ False lets decode prefill by itself.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -19,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from disagg.contracts import COLOCATED, DISAGGREGATED, Reply
+from disagg.contracts import COLOCATED, DISAGGREGATED, Reply, new_request_id
 from disagg.engine.config import EngineConfig
 from disagg.engine.llm_engine import DecodeEngine, PrefillEngine
 from disagg.engine.model import Llama
@@ -72,7 +71,6 @@ class LLM:
             decode_pool=LocalDecodePool(self.service),
             mode=DISAGGREGATED if disaggregated else COLOCATED,
         )
-        self._ids = itertools.count()
 
     def encode(self, prompt: Prompt, chat: bool = True) -> list[int]:
         """Messages and (with `chat`) plain text go through the chat template."""
@@ -86,11 +84,12 @@ class LLM:
 
     def _request(self, prompt: Prompt, params: SamplingParams, chat: bool, stream: bool):
         return GenerateRequest(
-            request_id=f"req-{next(self._ids)}",
+            request_id=new_request_id(),
             prompt_ids=self.encode(prompt, chat),
             prompt_text="",
             params=params,
             stream=stream,
+            exclude_input_in_output=True,
         )
 
     @staticmethod

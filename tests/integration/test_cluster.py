@@ -13,6 +13,7 @@ import time
 import pytest
 from helpers.triton_server import server_settings
 
+from disagg import contracts as C
 from disagg.client import GenerateError, HttpClient
 from disagg.contracts import TOKEN_ENV
 from disagg.engine.sequence import SamplingParams
@@ -71,10 +72,10 @@ def http(cluster) -> HttpClient:
 
 def chat(prompt: str, max_tokens: int = 32) -> dict:
     return {
-        "text_input": prompt,
-        "apply_chat_template": True,
-        "max_tokens": max_tokens,
-        "exclude_input_in_output": True,
+        C.TEXT_INPUT: prompt,
+        C.APPLY_CHAT_TEMPLATE: True,
+        C.MAX_TOKENS: max_tokens,
+        C.EXCLUDE_INPUT_IN_OUTPUT: True,
     }
 
 
@@ -95,23 +96,23 @@ def test_greedy_replies_equal_the_single_process_engine(cluster, llm):
         (ref,) = llm.generate([prompt], SamplingParams(max_tokens=32))
         r = http(cluster).generate("router", chat(prompt))
         assert r.text == ref.text and r.num_output_tokens == len(ref.token_ids)
-        assert r.extra["served_by"] == "disaggregated"
+        assert r.extra[C.SERVED_BY] == "disaggregated"
 
 
 def test_kv_bytes_go_from_prefill_to_decode_not_through_the_frontend(cluster):
-    r = http(cluster).generate("orchestrator", {"input_ids": list(range(1, 300)), "max_tokens": 4})
+    r = http(cluster).generate("orchestrator", {C.INPUT_IDS: list(range(1, 300)), C.MAX_TOKENS: 4})
     # the frontend forwarded only a reference: the payload itself is ~13.8 MB for 299 tokens
-    assert 0 < r.extra["kv_bytes"] < 1024
+    assert 0 < r.extra[C.KV_BYTES] < 1024
     prefill_pids = set().union(*(stubs_of(cluster[f"prefill{i}"], "prefill") for i in (0, 1)))
     decode_pids = set().union(*(stubs_of(cluster[f"decode{i}"], "decode") for i in (0, 1)))
-    assert r.extra["prefill_pid"] in prefill_pids and r.extra["decode_pid"] in decode_pids
+    assert r.extra[C.PREFILL_PID] in prefill_pids and r.extra[C.DECODE_PID] in decode_pids
     assert r.num_output_tokens == 4
 
 
 def test_load_spreads_over_the_replicas(cluster):
     results, threads = [], []
     for i in range(6):
-        body = {"input_ids": [1 + i, 2, 3, 4], "max_tokens": 24, "ignore_eos": True}
+        body = {C.INPUT_IDS: [1 + i, 2, 3, 4], C.MAX_TOKENS: 24, C.IGNORE_EOS: True}
         t = threading.Thread(
             target=lambda b=body: results.append(http(cluster).generate("orchestrator", b))
         )
@@ -120,8 +121,8 @@ def test_load_spreads_over_the_replicas(cluster):
     for t in threads:
         t.join(HUNG_S)
     assert len(results) == 6
-    assert len({r.extra["decode_pid"] for r in results}) == 2  # both decode servers
-    assert len({r.extra["prefill_pid"] for r in results}) == 2
+    assert len({r.extra[C.DECODE_PID] for r in results}) == 2  # both decode servers
+    assert len({r.extra[C.PREFILL_PID] for r in results}) == 2
 
 
 def test_replicas_and_the_network_path_show_in_metrics_and_status(cluster):
@@ -172,14 +173,14 @@ def test_a_decode_server_killed_mid_stream_moves_the_stream_to_the_other(cluster
             killed.append(name)
             os.killpg(cluster[name].proc.pid, signal.SIGKILL)
 
-    body = {**chat(prompt, n), "ignore_eos": True}
+    body = {**chat(prompt, n), C.IGNORE_EOS: True}
     r = http(cluster).generate("router", body, stream=True, on_delta=on_delta)
     assert killed, "the stream ended before the fault"
     cluster[killed[0]].proc.wait(timeout=30)
     assert r.num_output_tokens == n and r.finish_reason == "length"
     assert "".join(deltas) == r.text == ref.text
     # the survivor serves what comes next
-    again = http(cluster).generate("orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 4})
+    again = http(cluster).generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 4})
     assert again.num_output_tokens == 4
 
 
@@ -211,7 +212,7 @@ def _under_load(cluster, n: int, fault) -> Outcomes:
     out = Outcomes()
     threads = []
     for i in range(n):
-        body = {"input_ids": [5 + i] * 200, "max_tokens": 48, "ignore_eos": True}
+        body = {C.INPUT_IDS: [5 + i] * 200, C.MAX_TOKENS: 48, C.IGNORE_EOS: True}
         t = threading.Thread(
             target=out.run,
             args=(f"r{i}", lambda b=body: http(cluster).generate("orchestrator", b)),
@@ -230,8 +231,8 @@ def test_a_prefill_server_killed_under_load_costs_no_request(cluster):
     assert out.counts([f"r{i}" for i in range(6)]) == {"completed": 6, "error": 0, "hung": 0}, (
         out.got
     )
-    r = http(cluster).generate("orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 4})
-    assert r.extra["served_by"] == "disaggregated"  # the other prefill server
+    r = http(cluster).generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 4})
+    assert r.extra[C.SERVED_BY] == "disaggregated"  # the other prefill server
 
 
 def test_with_the_whole_prefill_pool_gone_decode_serves_co_located(cluster, llm):
@@ -242,7 +243,7 @@ def test_with_the_whole_prefill_pool_gone_decode_serves_co_located(cluster, llm)
     )
     (ref,) = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=32))
     r = http(cluster).generate("router", chat(PROMPTS[2]))
-    assert r.extra["served_by"] == "fallback" and r.text == ref.text
+    assert r.extra[C.SERVED_BY] == "fallback" and r.text == ref.text
 
 
 def test_a_new_prefill_server_takes_traffic_within_10_s_of_being_listed(cluster, engine_dir):
@@ -256,8 +257,8 @@ def test_a_new_prefill_server_takes_traffic_within_10_s_of_being_listed(cluster,
     listed = time.monotonic()
     new_pids = stubs_of(new, "prefill")
     while True:
-        r = http(cluster).generate("orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 2})
-        if r.extra["served_by"] == "disaggregated" and r.extra["prefill_pid"] in new_pids:
+        r = http(cluster).generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 2})
+        if r.extra[C.SERVED_BY] == "disaggregated" and r.extra[C.PREFILL_PID] in new_pids:
             break
         assert time.monotonic() - listed < 10, "the new replica took no traffic in 10 s"
         time.sleep(0.5)

@@ -9,6 +9,7 @@ import time
 import pytest
 from helpers.triton_server import start_server
 
+from disagg import contracts as C
 from disagg.client import GenerateError, HttpClient
 
 pytestmark = pytest.mark.integration
@@ -20,7 +21,7 @@ def test_a_stopping_server_finishes_the_stream_in_flight_and_refuses_new_ones(en
     got, started = {}, threading.Event()
 
     def stream():
-        body = {"text_input": "Tell me a story.", "max_tokens": 64, "ignore_eos": True}
+        body = {C.TEXT_INPUT: "Tell me a story.", C.MAX_TOKENS: 64, C.IGNORE_EOS: True}
         try:
             got["r"] = http.generate("router", body, stream=True, on_delta=lambda d: started.set())
         except GenerateError as e:
@@ -35,7 +36,7 @@ def test_a_stopping_server_finishes_the_stream_in_flight_and_refuses_new_ones(en
         time.sleep(1.0)  # Triton has begun its shutdown
         with pytest.raises((GenerateError, OSError)):  # a new request is refused, not queued
             HttpClient(server.endpoints.http, timeout_s=10).generate(
-                "router", {"text_input": "Hi", "max_tokens": 2}
+                "router", {C.TEXT_INPUT: "Hi", C.MAX_TOKENS: 2}
             )
         t.join(60)
     finally:

@@ -18,6 +18,7 @@ import openai
 import pytest
 from helpers.triton_server import admin_post, metric_becomes, scrape, start_server
 
+from disagg import contracts as C
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.process import process_alive
 from disagg.serve.gateway_process import GatewayProcess
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.integration
 ADMIN = "test-admin-key"
 KEY = "sk-test-faults"
 MODEL = "smollm2-135m-instruct"
-LONG = {"text_input": "Tell me a long story.", "max_tokens": 300, "ignore_eos": True}
+LONG = {C.TEXT_INPUT: "Tell me a long story.", C.MAX_TOKENS: 300, C.IGNORE_EOS: True}
 HUNG_S = 60  # a request that has not ended this long after the fault counts as hung
 
 
@@ -62,8 +63,8 @@ def test_ps_does_not_show_the_admin_key(stack):
 @pytest.mark.parametrize(
     "model, body",
     [
-        ("prefill", {"prompt_ids": [1, 2, 3], "sampling": "{}"}),
-        ("decode", {"prompt_ids": [1, 2, 3], "sampling": "{}"}),
+        ("prefill", {C.PROMPT_IDS: [1, 2, 3], C.SAMPLING: "{}"}),
+        ("decode", {C.PROMPT_IDS: [1, 2, 3], C.SAMPLING: "{}"}),
     ],
 )
 def test_internal_models_refuse_requests_from_clients(stack, model, body):
@@ -72,7 +73,7 @@ def test_internal_models_refuse_requests_from_clients(stack, model, body):
     with pytest.raises(GenerateError) as err:
         http.generate(model, body)
     assert err.value.status == 400 and "internal" in str(err.value)
-    assert http.generate("router", {"text_input": "Hi", "max_tokens": 2}).num_output_tokens > 0
+    assert http.generate("router", {C.TEXT_INPUT: "Hi", C.MAX_TOKENS: 2}).num_output_tokens > 0
 
 
 class Outcomes:
@@ -108,7 +109,7 @@ def _long_requests(server, gateway) -> dict:
     and gRPC, and the gateway's chat and completions, streamed and not."""
     http = HttpClient(server.endpoints.http, timeout_s=HUNG_S)
     oa = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=HUNG_S)
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": LONG["text_input"]}]}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": LONG[C.TEXT_INPUT]}]}
     extra = {"max_tokens": 300, "extra_body": {"ignore_eos": True}}
     grpcs = [GrpcClient(server.endpoints.grpc, timeout_s=HUNG_S) for _ in range(2)]
     return {
@@ -118,11 +119,11 @@ def _long_requests(server, gateway) -> dict:
         "ensemble-grpc-stream": lambda: grpcs[1].generate("ensemble", LONG),
         "gateway-sse": lambda: list(oa.chat.completions.create(**chat, **extra, stream=True)),
         "gateway-sse-2": lambda: list(
-            oa.completions.create(model=MODEL, prompt=LONG["text_input"], stream=True, **extra)
+            oa.completions.create(model=MODEL, prompt=LONG[C.TEXT_INPUT], stream=True, **extra)
         ),  # fmt: skip
         "gateway-json": lambda: oa.chat.completions.create(**chat, **extra),
         "gateway-json-2": lambda: oa.completions.create(
-            model=MODEL, prompt=LONG["text_input"], **extra
+            model=MODEL, prompt=LONG[C.TEXT_INPUT], **extra
         ),
     }
 
@@ -132,8 +133,8 @@ def _serves_again(server, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            assert http.generate("router", {"text_input": "Hi", "max_tokens": 4}).num_output_tokens
-            assert http.generate("ensemble", {"text_input": "Hi", "max_tokens": 4}).text
+            assert http.generate("router", {C.TEXT_INPUT: "Hi", C.MAX_TOKENS: 4}).num_output_tokens
+            assert http.generate("ensemble", {C.TEXT_INPUT: "Hi", C.MAX_TOKENS: 4}).text
             return
         except (GenerateError, OSError):
             assert time.monotonic() < deadline, "the pipeline never came back"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers.triton_server import serve_env
 
+from disagg import contracts as C
 from disagg.client import HttpClient
 from disagg.process import process_alive
 
@@ -77,9 +78,9 @@ def test_the_cluster_command_serves_and_stops_every_node_on_ctrl_c(tmp_path, eng
         out = "".join(lines)
         assert "prefill-0" in out and "decode-0" in out and "frontend" in out
         r = HttpClient(f"http://127.0.0.1:{http}", timeout_s=60).generate(
-            "orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 4}
+            "orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 4}
         )
-        assert r.num_output_tokens == 4 and r.extra["served_by"] == "disaggregated"
+        assert r.num_output_tokens == 4 and r.extra[C.SERVED_BY] == "disaggregated"
         servers = _servers_of(proc.pid)
         assert len(servers) == 3  # frontend, prefill, decode
         proc.send_signal(signal.SIGINT)

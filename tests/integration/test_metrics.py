@@ -9,6 +9,7 @@ import time
 import pytest
 from helpers.triton_server import eventually, metric, start_server
 
+from disagg import contracts as C
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.engine.config import load_model_args
 
@@ -44,7 +45,7 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
 
 def run(http, prompt_ids: list[int], max_tokens: int) -> dict:
     r = http.generate(
-        "orchestrator", {"input_ids": prompt_ids, "max_tokens": max_tokens, "ignore_eos": True}
+        "orchestrator", {C.INPUT_IDS: prompt_ids, C.MAX_TOKENS: max_tokens, C.IGNORE_EOS: True}
     )
     assert r.finish_reason == "length"
     return r.extra
@@ -54,7 +55,7 @@ def keep_decode_busy(server, done: threading.Event, out: dict) -> None:
     client = GrpcClient(server.endpoints.grpc, timeout_s=120)
     try:
         # 512 tokens (the server's limit): over 10 s of decode here, twice what the test needs
-        inputs = {"input_ids": [1, 2, 3], "max_tokens": 512, "ignore_eos": True}
+        inputs = {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 512, C.IGNORE_EOS: True}
         out["finish_reason"] = client.generate("orchestrator", inputs, cancel=done).finish_reason
     finally:
         client.close()
@@ -156,7 +157,7 @@ def test_refused_requests_are_counted_by_kind(server, http):
     labels = {"stage": "request", "kind": "invalid_request"}
     before = metric(server, "disagg_errors_total", **labels)
     with pytest.raises(GenerateError, match="max_tokens"):
-        http.generate("orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 100_000})
+        http.generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 100_000})
     eventually(lambda: _equal(metric(server, "disagg_errors_total", **labels), before + 1))
 
 

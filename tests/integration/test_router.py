@@ -13,6 +13,7 @@ import pytest
 from helpers.fake_openai import CANNED, FakeOpenAI
 from helpers.triton_server import metric, metric_becomes, start_server
 
+from disagg import contracts as C
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.engine.sequence import SamplingParams
 
@@ -142,16 +143,16 @@ def http(server):
 
 def chat(prompt: str = PROMPT, max_tokens: int = 16, **kw) -> dict:
     return {
-        "text_input": prompt,
-        "apply_chat_template": True,
-        "max_tokens": max_tokens,
-        "exclude_input_in_output": True,
+        C.TEXT_INPUT: prompt,
+        C.APPLY_CHAT_TEMPLATE: True,
+        C.MAX_TOKENS: max_tokens,
+        C.EXCLUDE_INPUT_IN_OUTPUT: True,
         **kw,
     }
 
 
 def route(r) -> tuple[str, str, str]:
-    return r.extra["route_target"], r.extra["route_reason"], r.extra["served_by"]
+    return r.extra[C.ROUTE_TARGET], r.extra[C.ROUTE_REASON], r.extra[C.SERVED_BY]
 
 
 def canned(n: int) -> str:
@@ -174,19 +175,19 @@ def test_router_sync_answers_kserve_infer(server, http):
     client = httpclient.InferenceServerClient(server.endpoints.http.removeprefix("http://"))
     inputs = []
     for name, arr, dtype in [
-        ("text_input", np.array([[PROMPT.encode()]], dtype=np.object_), "BYTES"),
-        ("max_tokens", np.array([[16]], dtype=np.int32), "INT32"),
-        ("apply_chat_template", np.array([[True]]), "BOOL"),
-        ("exclude_input_in_output", np.array([[True]]), "BOOL"),
+        (C.TEXT_INPUT, np.array([[PROMPT.encode()]], dtype=np.object_), "BYTES"),
+        (C.MAX_TOKENS, np.array([[16]], dtype=np.int32), "INT32"),
+        (C.APPLY_CHAT_TEMPLATE, np.array([[True]]), "BOOL"),
+        (C.EXCLUDE_INPUT_IN_OUTPUT, np.array([[True]]), "BOOL"),
     ]:
         t = httpclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         inputs.append(t)
     out = client.infer("router_sync", inputs)
     assert (
-        out.as_numpy("text_output").reshape(-1)[0].decode() == http.generate("router", chat()).text
+        out.as_numpy(C.TEXT_OUTPUT).reshape(-1)[0].decode() == http.generate("router", chat()).text
     )
-    assert out.as_numpy("route_target").reshape(-1)[0] == b"local"
+    assert out.as_numpy(C.ROUTE_TARGET).reshape(-1)[0] == b"local"
 
 
 def test_latency_critical_requests_go_to_the_lpu_endpoint(grpc, fakes):
@@ -252,7 +253,7 @@ def test_429_with_retry_after_skips_the_endpoint_until_it_passes(grpc, fakes):
 def test_a_broken_stream_falls_back_while_nothing_was_sent(http, fakes, fault):
     fakes["faulty"].push(fault)
     r = http.generate("router", chat(latency_sla_ms=100.0))  # not streaming
-    assert r.extra["route_target"] == "local" and r.finish_reason in ("stop", "length")
+    assert r.extra[C.ROUTE_TARGET] == "local" and r.finish_reason in ("stop", "length")
     assert r.text == http.generate("router", chat()).text
 
 
@@ -266,7 +267,7 @@ def test_a_stream_cut_after_text_was_sent_ends_with_a_clear_error(grpc, fakes):
 def test_the_circuit_opens_after_failures_and_closes_after_a_good_probe(grpc, fakes, server):
     flaky = fakes["flaky"]
     # short local fallbacks: the circuit's 2 s cooldown must not pass before the third request
-    flaky.push(*[("status", 503, {}, {"error": {"message": "down"}})] * 2)
+    flaky.push(*[("status", 503, {}, {C.ERROR: {"message": "down"}})] * 2)
     for _ in range(2):
         assert (
             route(grpc.generate("router", chat(max_tokens=2, task_type="flaky")))[1]
@@ -296,11 +297,11 @@ def test_fields_an_endpoint_cannot_honour_keep_the_request_local(grpc, fakes):
 
 def test_bad_input_gets_a_clear_error(grpc):
     with pytest.raises(GenerateError, match="text_input or messages"):
-        grpc.generate("router", {"max_tokens": 4})
+        grpc.generate("router", {C.MAX_TOKENS: 4})
     with pytest.raises(GenerateError, match="latency_sla_ms must be > 0"):
         grpc.generate("router", chat(latency_sla_ms=-1.0))
     with pytest.raises(GenerateError, match="messages is not valid JSON"):
-        grpc.generate("router", {"messages": "[{", "max_tokens": 4})
+        grpc.generate("router", {C.MESSAGES: "[{", C.MAX_TOKENS: 4})
     assert grpc.generate("router", chat(max_tokens=2)).num_output_tokens == 2
 
 

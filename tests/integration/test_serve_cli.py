@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers.triton_server import serve_env
 
+from disagg import contracts as C
 from disagg.serve.supervisor import stub_processes
 
 pytestmark = pytest.mark.integration
@@ -44,12 +45,12 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         assert "curl" in banner and "admin-key: " in banner
         # mode auto on one machine: conditional (the cost model picks per request)
         assert re.search(r"mode\s+conditional \(prefill and decode would share", banner), banner
-        body = json.dumps({"text_input": "Hi", "apply_chat_template": True, "max_tokens": 4})
+        body = json.dumps({C.TEXT_INPUT: "Hi", C.APPLY_CHAT_TEMPLATE: True, C.MAX_TOKENS: 4})
         req = urllib.request.Request(
             f"http://127.0.0.1:{http}/v2/models/ensemble/generate", data=body.encode()
         )
         with urllib.request.urlopen(req, timeout=60) as r:
-            assert json.loads(r.read())["num_output_tokens"] > 0
+            assert json.loads(r.read())[C.NUM_OUTPUT_TOKENS] > 0
         # the OpenAI API, with the one key serve made and showed once
         key = re.search(r"export DISAGG_API_KEY=(\S+)", banner).group(1)
         assert f"http://127.0.0.1:{gateway}/v1" in banner

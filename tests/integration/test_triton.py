@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from helpers.triton_server import admin_post, eventually, metric
 
+from disagg import contracts as C
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.engine.sequence import SamplingParams
 from disagg.engine.tokenizer import REPLACEMENT_CHAR
@@ -41,10 +42,10 @@ def grpc(server):
 
 def chat(prompt: str, max_tokens: int = 48, **kw) -> dict:
     return {
-        "text_input": prompt,
-        "apply_chat_template": True,
-        "max_tokens": max_tokens,
-        "exclude_input_in_output": True,
+        C.TEXT_INPUT: prompt,
+        C.APPLY_CHAT_TEMPLATE: True,
+        C.MAX_TOKENS: max_tokens,
+        C.EXCLUDE_INPUT_IN_OUTPUT: True,
         **kw,
     }
 
@@ -78,10 +79,10 @@ def test_trtllm_style_request_echoes_the_prompt_and_accepts_empty_word_lists(htt
     r = http.generate(
         "ensemble",
         {
-            "text_input": "The capital of France is",
-            "max_tokens": 8,
-            "bad_words": [""],
-            "stop_words": [""],
+            C.TEXT_INPUT: "The capital of France is",
+            C.MAX_TOKENS: 8,
+            C.BAD_WORDS: [""],
+            C.STOP_WORDS: [""],
         },
     )
     assert r.text.startswith("The capital of France is") and len(r.text) > 24
@@ -93,18 +94,18 @@ def test_http_infer_with_tritonclient(server, http):
     client = httpclient.InferenceServerClient(server.endpoints.http.removeprefix("http://"))
     inputs = []
     for name, arr, dtype in [
-        ("text_input", np.array([[PROMPTS[0].encode()]], dtype=np.object_), "BYTES"),
-        ("max_tokens", np.array([[24]], dtype=np.int32), "INT32"),
-        ("apply_chat_template", np.array([[True]]), "BOOL"),
-        ("exclude_input_in_output", np.array([[True]]), "BOOL"),
+        (C.TEXT_INPUT, np.array([[PROMPTS[0].encode()]], dtype=np.object_), "BYTES"),
+        (C.MAX_TOKENS, np.array([[24]], dtype=np.int32), "INT32"),
+        (C.APPLY_CHAT_TEMPLATE, np.array([[True]]), "BOOL"),
+        (C.EXCLUDE_INPUT_IN_OUTPUT, np.array([[True]]), "BOOL"),
     ]:
         t = httpclient.InferInput(name, list(arr.shape), dtype)
         t.set_data_from_numpy(arr)
         inputs.append(t)
     out = client.infer("ensemble_sync", inputs)
-    text = out.as_numpy("text_output").reshape(-1)[0].decode()
+    text = out.as_numpy(C.TEXT_OUTPUT).reshape(-1)[0].decode()
     assert text == http.generate("ensemble", chat(PROMPTS[0], 24)).text
-    assert out.as_numpy("num_output_tokens").reshape(-1)[0] > 0
+    assert out.as_numpy(C.NUM_OUTPUT_TOKENS).reshape(-1)[0] > 0
 
 
 def test_grpc_streaming(grpc, http):
@@ -119,10 +120,10 @@ def _is_stub_of(pid: int, model: str) -> bool:
 
 
 def test_prefill_and_decode_run_in_different_processes(http, server):
-    r = http.generate("orchestrator", {"input_ids": [1, 2, 3, 4], "max_tokens": 4})
+    r = http.generate("orchestrator", {C.INPUT_IDS: [1, 2, 3, 4], C.MAX_TOKENS: 4})
     out = r.extra
-    assert out["served_by"] == "disaggregated"
-    prefill_pid, decode_pid = out["prefill_pid"], out["decode_pid"]
+    assert out[C.SERVED_BY] == "disaggregated"
+    prefill_pid, decode_pid = out[C.PREFILL_PID], out[C.DECODE_PID]
     assert len({prefill_pid, decode_pid, os.getpid(), server.proc.pid}) == 4
     assert _is_stub_of(prefill_pid, "prefill") and _is_stub_of(decode_pid, "decode")
 
@@ -175,7 +176,7 @@ def test_cancelled_stream_frees_its_decode_slot(server, grpc, http):
 @pytest.mark.parametrize(
     "body, message",
     [
-        ({"text_input": "", "max_tokens": 5}, "prompt is empty"),
+        ({C.TEXT_INPUT: "", C.MAX_TOKENS: 5}, "prompt is empty"),
         (chat("Hi", 0), "max_tokens must be in [1, 512]"),
         (chat("Hi", 5000), "max_tokens must be in [1, 512]"),
         (chat("word " * 2100, 8), "context limit"),
@@ -184,8 +185,8 @@ def test_cancelled_stream_frees_its_decode_slot(server, grpc, http):
         (chat("Hi", 8, temperature=-1.0), "temperature"),
         (chat("Hi", 3_000_000_000), "above 2147483647"),  # Triton wraps it into INT32
         (chat("Hi", 4, end_id=1_000_000), "end_id"),
-        ({"text_input": "", "messages": '[{"role": "robot"}]', "max_tokens": 4}, "role"),
-        ({"text_input": "", "messages": "not json", "max_tokens": 4}, "not valid JSON"),
+        ({C.TEXT_INPUT: "", C.MESSAGES: '[{"role": "robot"}]', C.MAX_TOKENS: 4}, "role"),
+        ({C.TEXT_INPUT: "", C.MESSAGES: "not json", C.MAX_TOKENS: 4}, "not valid JSON"),
     ],
 )
 def test_bad_input_gets_a_clear_error_and_the_next_request_succeeds(http, body, message):
@@ -197,13 +198,13 @@ def test_bad_input_gets_a_clear_error_and_the_next_request_succeeds(http, body, 
 
 def test_chat_messages_alone_are_a_prompt(http):
     messages = json.dumps([{"role": "user", "content": PROMPTS[0]}])
-    by_messages = http.generate("ensemble", {"messages": messages, "max_tokens": 48})
+    by_messages = http.generate("ensemble", {C.MESSAGES: messages, C.MAX_TOKENS: 48})
     assert by_messages.text == http.generate("ensemble", chat(PROMPTS[0])).text
 
 
 def test_a_request_with_no_prompt_at_all_is_refused(http):
     with pytest.raises(GenerateError) as err:
-        http.generate("ensemble", {"max_tokens": 8})
+        http.generate("ensemble", {C.MAX_TOKENS: 8})
     assert err.value.status == 400 and "0 inputs" in str(err.value)
     assert http.generate("ensemble", chat("Hi", 4)).num_output_tokens > 0
 
@@ -212,7 +213,7 @@ def test_wrong_json_type_is_refused_by_triton(http):
     """Triton's generate endpoint parses the JSON before any model sees it; it answers a
     string where an INT32 belongs with HTTP 500 (its choice, not ours) and a clear message."""
     with pytest.raises(GenerateError, match="Unable to parse 'data'") as err:
-        http.generate("ensemble", {"text_input": "Hi", "max_tokens": "lots"})
+        http.generate("ensemble", {C.TEXT_INPUT: "Hi", C.MAX_TOKENS: "lots"})
     assert err.value.status in (400, 500)
     assert http.generate("ensemble", chat("Hi", 4)).num_output_tokens > 0
 
@@ -221,9 +222,9 @@ def test_wrong_dtype_over_grpc_is_refused(grpc):
     import tritonclient.grpc as grpcclient
 
     arr = np.array([[8.0]], dtype=np.float32)
-    t = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
+    t = grpcclient.InferInput(C.MAX_TOKENS, [1, 1], "FP32")
     t.set_data_from_numpy(arr)
-    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text = grpcclient.InferInput(C.TEXT_INPUT, [1, 1], "BYTES")
     text.set_data_from_numpy(np.array([[b"Hi"]], dtype=np.object_))
     with pytest.raises(Exception, match="data-type is 'FP32'"):
         grpc.client.infer("ensemble_sync", [text, t])
@@ -237,18 +238,18 @@ def test_prefill_pool_down_falls_back_to_decode_prefill(server, http, llm):
     assert _repository(server, "prefill", "unload", key=None) == 403  # admin API needs the key
     assert _repository(server, "prefill", "unload", key="test-admin-key") == 200
     try:
-        r = http.generate("orchestrator", {"input_ids": llm.encode(PROMPTS[0]), "max_tokens": 48})
-        assert r.extra["served_by"] == "fallback"
+        r = http.generate("orchestrator", {C.INPUT_IDS: llm.encode(PROMPTS[0]), C.MAX_TOKENS: 48})
+        assert r.extra[C.SERVED_BY] == "fallback"
         assert r.text == expected(llm, PROMPTS[0]).text
     finally:
         assert _repository(server, "prefill", "load", key="test-admin-key") == 200
-    r = http.generate("orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 2})
-    assert r.extra["served_by"] == "disaggregated"
+    r = http.generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 2})
+    assert r.extra[C.SERVED_BY] == "disaggregated"
 
 
 def test_decode_process_killed_mid_stream(server, http):
-    pid = http.generate("orchestrator", {"input_ids": [1, 2, 3], "max_tokens": 2}).extra[
-        "decode_pid"
+    pid = http.generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 2}).extra[
+        C.DECODE_PID
     ]
     killed = []
 
@@ -282,18 +283,17 @@ def test_decode_process_killed_mid_stream(server, http):
         assert server.supervisor.num_restarts >= 1
 
     eventually(restart_counted)
-    new_pid = http.generate("orchestrator", {"input_ids": [1, 2], "max_tokens": 2}).extra[
-        "decode_pid"
+    new_pid = http.generate("orchestrator", {C.INPUT_IDS: [1, 2], C.MAX_TOKENS: 2}).extra[
+        C.DECODE_PID
     ]
     assert new_pid != pid
 
 
 def test_doctor_on_a_running_server_finds_every_model_ready_and_times_a_request(server):
-    from disagg.doctor import checks as C
-    from disagg.doctor import run_checks
+    from disagg.doctor import checks, run_checks
 
     results = {r.name: r for r in run_checks(server.settings)}
-    assert results["models ready"].status == C.OK, results["models ready"]
-    assert results["warm-up TTFT"].status in (C.OK, C.WARN), results["warm-up TTFT"]
+    assert results["models ready"].status == checks.OK, results["models ready"]
+    assert results["warm-up TTFT"].status in (checks.OK, checks.WARN), results["warm-up TTFT"]
     assert "to the first token" in results["warm-up TTFT"].detail
-    assert results["ports"].status == C.OK and "running Triton" in results["ports"].detail
+    assert results["ports"].status == checks.OK and "running Triton" in results["ports"].detail

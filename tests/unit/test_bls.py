@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from disagg import contracts as C
 from disagg.errors import PoolError, RequestError
 
 pytestmark = pytest.mark.unit
@@ -25,7 +26,7 @@ def bls(monkeypatch):
     for name in [m for m in sys.modules if m.startswith(("disagg.triton.bls", "disagg.triton.pb"))]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.delitem(sys.modules, "triton_python_backend_utils", raising=False)
-    monkeypatch.setenv("DISAGG_INTERNAL_TOKEN", "t0ken")
+    monkeypatch.setenv(C.TOKEN_ENV, "t0ken")
     from disagg.triton import bls
 
     return bls
@@ -43,7 +44,7 @@ def _stream(bls, responses, liveness_check_s=0.05):
 
 def test_a_failure_sent_as_outputs_after_the_acknowledgement_is_raised_with_its_kind(bls):
     u = bls.pb_utils
-    ack = _response(u, worker_pid=[1])
+    ack = _response(u, **{C.WORKER_PID: [1]})
     failed = bls.failure_response(RuntimeError("engine broke"), as_outputs=True)
     with pytest.raises(PoolError, match="decode: engine broke"):
         list(_stream(bls, [ack, failed]))
@@ -66,7 +67,7 @@ def test_a_triton_error_is_raised_and_an_unreachable_model_is_a_pool_error(bls):
 
 def test_the_death_of_the_acknowledged_process_ends_the_stream(bls):
     child = subprocess.Popen(["sleep", "30"])
-    ack = _response(bls.pb_utils, worker_pid=[child.pid])
+    ack = _response(bls.pb_utils, **{C.WORKER_PID: [child.pid]})
 
     def never_ending():
         yield ack
@@ -87,7 +88,11 @@ def test_internal_models_take_only_their_own_servers_calls(bls):
     ours = u.InferenceRequest("prefill", parameters=bls.BLS_PARAMETERS)
     bls.check_internal(ours, "prefill")
     assert bls.is_bls_caller(ours)
-    for params in ({}, {"disagg_caller": "bls"}, {"disagg_caller": "bls", "disagg_token": "x"}):
+    for params in (
+        {},
+        {C.CALLER_PARAM: C.BLS_CALLER},
+        {C.CALLER_PARAM: C.BLS_CALLER, C.TOKEN_PARAM: "x"},
+    ):
         with pytest.raises(RequestError, match="'prefill' is internal"):
             bls.check_internal(u.InferenceRequest("prefill", parameters=params), "prefill")
 
@@ -96,7 +101,7 @@ def test_a_caller_watch_sees_its_caller_die(bls):
     child = subprocess.Popen(["sleep", "30"])
     u = bls.pb_utils
     req = u.InferenceRequest(
-        "decode", parameters={"disagg_caller": "bls", "disagg_caller_pid": child.pid}
+        "decode", parameters={C.CALLER_PARAM: C.BLS_CALLER, C.CALLER_PID_PARAM: child.pid}
     )
     watch = bls.CallerWatch.of(req)
     assert not watch.gone()
@@ -123,8 +128,8 @@ def test_responses_hold_only_the_outputs_the_requester_asked_for(bls):
     from disagg.triton import pb
 
     reply = Reply("hi", 3, 1, finish_reason="length", served_by="disaggregated")
-    asked = frozenset({"text_output", "finish_reason", "served_by"})
+    asked = frozenset({C.TEXT_OUTPUT, C.FINISH_REASON, C.SERVED_BY})
     names = {t.name() for t in pb.reply_response(reply, True, asked).output_tensors()}
     assert names == asked
     everything = {t.name() for t in pb.reply_response(reply, True).output_tensors()}
-    assert everything > asked and "kv_bytes" in everything
+    assert everything > asked and C.KV_BYTES in everything

@@ -105,6 +105,51 @@ def test_stubs_that_never_run_the_model_do_not_import_torch():
     assert "'torch'" in out.stdout  # the check can fail: decode does load it
 
 
+# what only the pools' callers and models need: a router process never loads it
+POOL_CODE = {
+    "disagg.codec.pools",
+    "disagg.kvnet",
+    "disagg.pipeline.decode_service",
+    "disagg.pipeline.local",
+    "disagg.remote.pools",
+    "disagg.triton.decode_side",
+    "disagg.triton.pools",
+    "disagg.triton.prefill_side",
+}
+
+
+def test_the_router_loads_no_pool_code_even_lazily():
+    """The router model's imports, followed through every disagg import (those inside
+    functions too), never reach the pools' code; and importing it as its stub does loads
+    none of it."""
+    graph = _import_graph()
+    tree = ast.parse((ROOT / "model_repository" / "router" / "1" / "model.py").read_text())
+    todo = [
+        f"{n.module}.{a.name}" if f"{n.module}.{a.name}" in graph else n.module
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("disagg")
+        for a in n.names
+    ]
+    reached: set[str] = set()
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph.get(module, ())
+    assert "disagg.triton.local_pipeline" in reached and reached & POOL_CODE == set()
+    code = (
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(FAKES)!r})\n"
+        f"path = {str(ROOT / 'model_repository' / 'router' / '1' / 'model.py')!r}\n"
+        "spec = importlib.util.spec_from_file_location('model_router', path)\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "print(sorted(n for n in sys.modules if n.startswith('disagg')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(ast.literal_eval(out.stdout.strip()))
+    assert "disagg.triton.local_pipeline" in loaded and loaded & POOL_CODE == set()
+
+
 def test_the_request_path_in_the_architecture_doc_names_real_functions():
     """docs/architecture.md walks a request naming `file` `function` at each hop: each one
     must exist, so a newcomer lands on it."""

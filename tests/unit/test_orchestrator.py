@@ -12,6 +12,7 @@ from helpers.scripted import (
     model_args,
 )
 
+from disagg import contracts as C
 from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, FALLBACK, DecodeStep
 from disagg.engine.config import EngineConfig
 from disagg.engine.sequence import SamplingParams
@@ -47,6 +48,7 @@ def request(tokenizer, text="Hi", stream=True, **params) -> GenerateRequest:
         text,
         SamplingParams(**{"max_tokens": 16, **params}),
         stream=stream,
+        exclude_input_in_output=True,
     )
 
 
@@ -135,15 +137,15 @@ def test_bad_requests_are_refused_before_any_pool_works(tokenizer, args):
 def test_build_request_maps_trtllm_fields(tokenizer):
     req = build_request(
         {
-            "input_ids": [1, 2],
-            "text_input": "x",
-            "max_tokens": 9,
-            "temperature": 0.5,
-            "stop_words": ["", "END"],
-            "bad_words": ["", "bad"],
-            "end_id": 7,
-            "seed": 3,
-            "stream": True,
+            C.INPUT_IDS: [1, 2],
+            C.TEXT_INPUT: "x",
+            C.MAX_TOKENS: 9,
+            C.TEMPERATURE: 0.5,
+            C.STOP_WORDS: ["", "END"],
+            C.BAD_WORDS: ["", "bad"],
+            C.END_ID: 7,
+            C.SEED: 3,
+            C.STREAM: True,
         },
         tokenizer,
         max_tokens_default=128,
@@ -157,7 +159,7 @@ def test_build_request_maps_trtllm_fields(tokenizer):
         (7,),
     )
     assert p.bad_words_ids == (tuple(tokenizer.encode("bad")),) and req.stream
-    default = build_request({"input_ids": [1]}, tokenizer, max_tokens_default=128)
+    default = build_request({C.INPUT_IDS: [1]}, tokenizer, max_tokens_default=128)
     assert default.params.max_tokens == 128 and not default.stream
 
 

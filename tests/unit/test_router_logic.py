@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from helpers.scripted import ScriptedEndpoint, ScriptedLocal
 
+from disagg import contracts as C
 from disagg.contracts import FINISH_ERROR, RoutedReply
 from disagg.routing.endpoint import ChatRequest
 from disagg.routing.policy import PolicySource, RouteFeatures
@@ -75,7 +76,7 @@ def request(stream=True, sla: float | None = 100.0, chat=HELLO, **kw) -> RouteRe
     return RouteRequest(
         request_id="r1",
         features=RouteFeatures("smollm2", latency_sla_ms=sla, max_tokens=5, prompt_tokens=3),
-        local_fields={"stream": stream},
+        local_fields={C.STREAM: stream},
         chat=chat,
         stream=stream,
         **kw,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from disagg import contracts as C
 from disagg.errors import ConfigError
 from disagg.routing.health import (
     CLOSED,
@@ -220,5 +221,6 @@ def test_fields_an_openai_endpoint_cannot_honour_keep_a_request_local():
 
     chat = [{"role": "user", "content": "hi"}]
     assert local_only_fields({}, chat) == ()
-    assert local_only_fields({"ignore_eos": True, "top_k": 5}, chat) == ("top_k", "ignore_eos")
-    assert local_only_fields({"ignore_eos": False}, None) == ("raw_prompt",)
+    both = {C.IGNORE_EOS: True, C.TOP_K: 5}
+    assert local_only_fields(both, chat) == (C.TOP_K, C.IGNORE_EOS)
+    assert local_only_fields({C.IGNORE_EOS: False}, None) == ("raw_prompt",)

@@ -1,6 +1,7 @@
-"""The Triton adapter modules (pb, pools, runner) against the stand-in for
-triton_python_backend_utils (tests/fakes): reading request tensors, responses and errors,
-both sides of each pool's contract, and how entry models answer their callers."""
+"""The Triton adapter modules (pb, the pools' callers and the pool models' sides, runner)
+against the stand-in for triton_python_backend_utils (tests/fakes): reading request tensors,
+responses and errors, both sides of each pool's contract, and how entry models answer their
+callers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from disagg import contracts as C
+from disagg.codec.generate import CLIENT_OUTPUTS
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import ConfigError, KVPayloadError, PoolError, RequestError
 
@@ -21,9 +23,12 @@ pytestmark = pytest.mark.unit
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 ADAPTER = (
     "disagg.triton.bls",
+    "disagg.triton.decode_side",
+    "disagg.triton.local_pipeline",
     "disagg.triton.pb",
     "disagg.triton.pb_metrics",
     "disagg.triton.pools",
+    "disagg.triton.prefill_side",
     "disagg.triton.runner",
 )
 
@@ -114,7 +119,7 @@ def test_the_routers_final_response_says_where_it_was_routed(t):
     assert out[C.TEXT_OUTPUT].shape == (1, 1) and out[C.TEXT_OUTPUT][0, 0] == b"hi"
     assert (out[C.ROUTE_TARGET][0, 0], out[C.SERVED_BY][0, 0]) == (b"lpu", b"groq")
     delta = _outputs(t.pb.routed_response(C.RoutedReply("h", 3, 1), batched=True))
-    assert set(delta) == set(C.CLIENT_OUTPUTS)  # routing outputs on the final one only
+    assert set(delta) == set(CLIENT_OUTPUTS.names)  # routing outputs on the final one only
 
 
 def test_model_parameters_arrive_typed(t):
@@ -148,7 +153,9 @@ class _Result:
 def test_prefill_pool_reads_what_the_prefill_model_sends(t):
     payload = np.arange(32, dtype=np.uint8)
     t.u.InferenceRequest.script = [
-        t.pools.prefill_response(_Result, payload, pid=77, compute_us=1500, start_ns=2_000_000_000)
+        t.prefill_side.prefill_response(
+            _Result, payload, pid=77, compute_us=1500, start_ns=2_000_000_000
+        )
     ]
     pool = t.pools.BlsPrefillPool("prefill", timeout_s=3.0)
     handoff = pool.prefill("r1", [1, 2, 3], SamplingParams(max_tokens=4))
@@ -167,7 +174,7 @@ def test_decode_pool_reads_what_the_decode_models_sink_sends(t, tmp_path):
     from disagg.cancel import CancelRegistry
 
     caller = t.u.InferenceRequest("decode")
-    sink = t.pools.SenderSink(caller.sender, pid=55, to_bls=True)
+    sink = t.decode_side.SenderSink(caller.sender, pid=55, to_bls=True)
     sink.send([], None)
     sink.send([5, 6], None)
     sink.send([7], "length")
@@ -183,8 +190,8 @@ def test_decode_pool_reads_what_the_decode_models_sink_sends(t, tmp_path):
 
 def test_a_sink_reports_decode_load_only_to_callers_that_ask(t):
     caller = t.u.InferenceRequest("decode")
-    t.pools.SenderSink(caller.sender, 55, load=lambda: (3, 1, 5, 800)).send([9], None)
-    t.pools.SenderSink(caller.sender, 55).send([9], None)
+    t.decode_side.SenderSink(caller.sender, 55, load=lambda: (3, 1, 5, 800)).send([9], None)
+    t.decode_side.SenderSink(caller.sender, 55).send([9], None)
     (with_load, _), (without, _) = caller.sender.sent
     assert _outputs(with_load)[C.DECODE_LOAD].tolist() == [3, 1, 5, 800]
     assert C.DECODE_LOAD not in _outputs(without)  # unrequested outputs are never sent
@@ -193,14 +200,14 @@ def test_a_sink_reports_decode_load_only_to_callers_that_ask(t):
 def test_a_decode_failure_after_the_first_response_travels_as_outputs(t):
     """Triton 2.51 drops a BLS stream's error response after the first one (contracts.py)."""
     request = t.u.InferenceRequest("decode")
-    sink = t.pools.SenderSink(request.sender, pid=55, to_bls=True)
+    sink = t.decode_side.SenderSink(request.sender, pid=55, to_bls=True)
     sink.send([], None)
     sink.fail(PoolError("decode engine died"))
     last, flags = request.sender.sent[-1]
     assert not last.has_error() and flags == t.u.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     assert _outputs(last)[C.ERROR_KIND][0] == C.UNAVAILABLE.encode()
     first_only = t.u.InferenceRequest("decode")
-    t.pools.SenderSink(first_only.sender, 55, to_bls=True).fail(RequestError("bad"))
+    t.decode_side.SenderSink(first_only.sender, 55, to_bls=True).fail(RequestError("bad"))
     assert first_only.sender.sent[0][0].has_error()  # a first response arrives as an error
 
 
@@ -209,7 +216,7 @@ def test_a_sink_refuses_to_send_to_a_caller_that_died(t):
 
     dead = CallerWatch(pid=2**22 + 12345)  # above any pid this machine hands out
     request = t.u.InferenceRequest("decode")
-    sink = t.pools.SenderSink(request.sender, 55, to_bls=True, caller=dead)
+    sink = t.decode_side.SenderSink(request.sender, 55, to_bls=True, caller=dead)
     with pytest.raises(PoolError, match="died"):
         sink.send([1], None)
     assert request.sender.sent == [] and sink.is_cancelled()
@@ -225,14 +232,15 @@ def test_decode_reads_a_kv_handoff_or_prompt_ids(t):
         t,
         {C.KV_PAYLOAD: kv.pack(), C.FIRST_TOKEN: [11], C.RESOLVED_SEED: np.array([5], np.uint64)},
     )
-    result, prompt = t.pools.read_kv_handoff(req, "r1")
+    _, result, prompt = t.decode_side.read_decode_call(req, "r1")
     assert prompt is None and (result.first_token, result.seed) == (11, 5)
     assert np.array_equal(result.kv.k, k) and np.array_equal(result.kv.v, -k)
-    assert t.pools.read_kv_handoff(_request(t, {C.PROMPT_IDS: [3, 4]}), "r2") == (None, [3, 4])
+    call = t.decode_side.read_decode_call(_request(t, {C.PROMPT_IDS: [3, 4]}), "r2")
+    assert call[1:] == (None, [3, 4])
     with pytest.raises(RequestError, match="give kv_payload"):
-        t.pools.read_kv_handoff(_request(t, {}), "r3")
+        t.decode_side.read_decode_call(_request(t, {}), "r3")
     with pytest.raises(KVPayloadError, match="needs first_token"):
-        t.pools.read_kv_handoff(_request(t, {C.KV_PAYLOAD: kv.pack()}), "r4")
+        t.decode_side.read_decode_call(_request(t, {C.KV_PAYLOAD: kv.pack()}), "r4")
 
 
 def test_the_routers_local_pipeline_skips_acknowledgements(t, tmp_path):
@@ -244,7 +252,7 @@ def test_the_routers_local_pipeline_skips_acknowledgements(t, tmp_path):
         t.pb.reply_response(reply, batched=True),
         t.u.InferenceResponse([]),  # the empty response that carries FINAL
     ]
-    local = t.pools.BlsLocalPipeline(CancelRegistry(tmp_path))
+    local = t.local_pipeline.BlsLocalPipeline(CancelRegistry(tmp_path))
     fields = {C.INPUT_IDS: [1, 2], C.MAX_TOKENS: 4, C.TEXT_INPUT: "hi", C.SEED: 3}
     (only,) = list(local.generate("orchestrator", "r1", fields))
     assert (only.text, only.finish_reason, only.served_by) == ("Paris", "stop", C.DISAGGREGATED)

@@ -5,20 +5,21 @@ itself: the co-located mode, and the fallback when the prefill pool fails)."""
 import os
 from pathlib import Path
 
-from disagg import contracts as P
+from disagg import contracts as C
 from disagg.cancel import CancelRegistry
 from disagg.engine.config import load_model_args
 from disagg.engine.llm_engine import DecodeEngine
 from disagg.engine.model import Llama
 from disagg.engine.tokenizer import Tokenizer
+from disagg.model_params import DecodeParams
 from disagg.pipeline.decode_service import DecodeService
-from disagg.triton import bls, pb, pb_metrics, pools
+from disagg.triton import bls, decode_side, pb, pb_metrics
 
 
 class TritonPythonModel:
     def initialize(self, args):
         pb.configure_logging()
-        p = pb.model_parameters(args)
+        p = pb.model_parameters(args).typed(DecodeParams)
         self.metrics = pb_metrics.DecodeMetrics(args["model_name"], args["model_instance_name"])
         if p.engine_backend == "tensorrt_llm":
             from disagg.trtllm.runtime import decode_engine
@@ -29,7 +30,7 @@ class TritonPythonModel:
             eos = {Tokenizer(p.engine_dir).eos_token_id} - {None}
             engine = DecodeEngine(
                 Llama.load(p.engine_dir, p.compute_dtype, p.device),
-                p.engine_config("decode"),
+                p.engine_config(),
                 eos,
                 on_admit=self.metrics.on_admit,
             )
@@ -54,19 +55,17 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sink = pools.SenderSink(
+            sink = decode_side.SenderSink(
                 request.get_response_sender(),
                 self.pid,
                 bls.is_bls_caller(request),
                 bls.CallerWatch.of(request),
-                load=self._load if P.DECODE_LOAD in request.requested_output_names() else None,
+                load=self._load if C.DECODE_LOAD in request.requested_output_names() else None,
             )
             try:
                 bls.check_internal(request, "decode")
-                rid = request.request_id() or P.new_request_id()
-                f = pb.read_fields(request, {P.SAMPLING: "str"}, batched=False)
-                params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
-                prefill, prompt_ids = pools.read_kv_handoff(request, rid)
+                rid = request.request_id() or C.new_request_id()
+                params, prefill, prompt_ids = decode_side.read_decode_call(request, rid)
                 self.service.submit(rid, params, sink, prefill=prefill, prompt_ids=prompt_ids)
             except Exception as e:
                 sink.fail(e)

@@ -9,22 +9,22 @@ which Triton's HTTP endpoint refuses for decoupled models)."""
 import dataclasses
 from pathlib import Path
 
-from disagg import contracts as P
 from disagg.cancel import CancelRegistry
+from disagg.codec.generate import OrchestratorRequest
 from disagg.engine.config import load_model_args
 from disagg.engine.tokenizer import Tokenizer
+from disagg.model_params import OrchestratorParams
 from disagg.pipeline.conditional import CostModel, CostParams
 from disagg.pipeline.orchestrator import Orchestrator, build_request
 from disagg.triton import bls, pb, pb_metrics, pools, runner
 
-INPUTS = {P.INPUT_IDS: "ints", **P.GENERATION_INPUTS}
 BATCHED = True  # max_batch_size > 0: tensors carry a batch dimension (of 1)
 
 
 class TritonPythonModel:
     def initialize(self, args):
         pb.configure_logging()
-        p = pb.model_parameters(args)
+        p = pb.model_parameters(args).typed(OrchestratorParams)
         self.decoupled = pb.is_decoupled(args)
         self.tokenizer = Tokenizer(p.engine_dir)
         self.max_tokens_default = p.max_tokens_default
@@ -37,7 +37,7 @@ class TritonPythonModel:
         self.orchestrator = Orchestrator(
             self.tokenizer,
             load_model_args(p.engine_dir),
-            p.engine_config("orchestrator"),
+            p.engine_config(),
             prefill_pool=self._prefill_pool(p),
             decode_pool=self._decode_pool(p, cancels),
             mode=p.mode,
@@ -64,7 +64,7 @@ class TritonPythonModel:
         )
 
     @staticmethod
-    def _prefill_pool(p):
+    def _prefill_pool(p: OrchestratorParams):
         if p.prefill_replicas:  # on other servers, over gRPC
             from disagg.remote.pools import GrpcPrefillPool
 
@@ -72,7 +72,7 @@ class TritonPythonModel:
         return pools.BlsPrefillPool(p.prefill_model, p.prefill_timeout_s)
 
     @staticmethod
-    def _decode_pool(p, cancels):
+    def _decode_pool(p: OrchestratorParams, cancels: CancelRegistry):
         if p.decode_replicas:
             from disagg.remote.pools import GrpcDecodePool
 
@@ -81,7 +81,7 @@ class TritonPythonModel:
 
     def _parse(self, request):
         req = build_request(
-            pb.read_fields(request, INPUTS, BATCHED),
+            OrchestratorRequest.decode(pb.input_arrays(request, OrchestratorRequest.TENSORS.names)),
             self.tokenizer,
             self.max_tokens_default,
             caller_id=request.request_id(),

@@ -9,19 +9,17 @@ import time
 
 import numpy as np
 
-from disagg import contracts as P
 from disagg.engine.llm_engine import PrefillEngine
 from disagg.engine.model import Llama
 from disagg.engine.sequence import SamplingParams
-from disagg.triton import bls, pb, pools
-
-INPUTS = {P.PROMPT_IDS: "ints", P.SAMPLING: "str"}
+from disagg.model_params import PrefillParams
+from disagg.triton import bls, pb, prefill_side
 
 
 class TritonPythonModel:
     def initialize(self, args):
         pb.configure_logging()
-        p = pb.model_parameters(args)
+        p = pb.model_parameters(args).typed(PrefillParams)
         self.pid = os.getpid()
         self.trtllm = None
         if p.engine_backend == "tensorrt_llm":
@@ -32,7 +30,7 @@ class TritonPythonModel:
         pb.set_torch_threads(p.prefill_torch_threads)
         self.engine = PrefillEngine(
             Llama.load(p.engine_dir, p.compute_dtype, p.device),
-            p.engine_config("prefill"),
+            p.engine_config(),
             reuse_kv_buffers=True,
         )
         # Payload buffers, one per request of an execute() call, reused across calls: their
@@ -40,7 +38,7 @@ class TritonPythonModel:
         self.buffers: list[np.ndarray] = []
         self.engine.prefill("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=1))
         # decode on other servers: payloads are leased here and pulled by them (kvnet.py)
-        self.kv = pools.KVLeaseServer.start(p, args) if p.kv_pull else None
+        self.kv = prefill_side.KVLeaseServer.start(p, args) if p.kv_pull else None
 
     def finalize(self):
         if getattr(self, "kv", None) is not None:
@@ -59,10 +57,9 @@ class TritonPythonModel:
     def _prefill(self, request, i: int):
         try:
             bls.check_internal(request, "prefill")
-            f = pb.read_fields(request, INPUTS, batched=False)
-            params = P.sampling_from_json(f.get(P.SAMPLING, "{}"))
+            prompt, params = prefill_side.read_prefill_call(request)
             start, start_wall_ns = time.perf_counter(), time.time_ns()
-            rid, prompt = request.request_id(), f.get(P.PROMPT_IDS, [])
+            rid = request.request_id()
             if self.trtllm is not None:
                 from disagg.trtllm.payload import to_bytes
 
@@ -75,6 +72,8 @@ class TritonPythonModel:
                 payload = result.kv.pack(self._buffer(i, result.kv.packed_size()))
                 if self.kv is not None:
                     payload = self.kv.lease(payload)
-            return pools.prefill_response(result, payload, self.pid, compute_us, start_wall_ns)
+            return prefill_side.prefill_response(
+                result, payload, self.pid, compute_us, start_wall_ns
+            )
         except Exception as e:
             return pb.error_response(e)

@@ -8,37 +8,30 @@ request, for KServe v2 /infer)."""
 
 from pathlib import Path
 
-from disagg import contracts as P
+from disagg import contracts as C
 from disagg.cancel import CancelRegistry
+from disagg.codec.generate import RouterRequest
 from disagg.engine.tokenizer import Tokenizer
+from disagg.model_params import RouterParams
 from disagg.routing.policy import PolicySource
 from disagg.routing.request import build_route_request
 from disagg.routing.router import Router
-from disagg.triton import bls, pb, pb_metrics, pools, runner
+from disagg.triton import bls, local_pipeline, pb, pb_metrics, runner
 
-INPUTS = {
-    **P.GENERATION_INPUTS,
-    P.MESSAGES: "str",
-    P.APPLY_CHAT_TEMPLATE: "bool",
-    P.MODEL: "str",
-    P.LATENCY_SLA_MS: "float",
-    P.TASK_TYPE: "str",
-    P.PRIORITY: "int",
-}
 BATCHED = True
 
 
 class TritonPythonModel:
     def initialize(self, args):
         pb.configure_logging()
-        p = pb.model_parameters(args)
+        p = pb.model_parameters(args).typed(RouterParams)
         self.decoupled = pb.is_decoupled(args)
         self.tokenizer = Tokenizer(p.engine_dir)
         self.default_model = p.served_model_name
         self.max_tokens_default = p.max_tokens_default
         self.router = Router(
             PolicySource(p.router_policy),  # an invalid policy fails the model load, loudly
-            pools.BlsLocalPipeline(CancelRegistry(Path(p.run_dir) / "cancel")),
+            local_pipeline.BlsLocalPipeline(CancelRegistry(Path(p.run_dir) / "cancel")),
             count_tokens=lambda text: len(self.tokenizer.encode(text)),
             events=pb_metrics.RouterMetrics(),
         )
@@ -53,9 +46,9 @@ class TritonPythonModel:
         )
 
     def _parse(self, request):
-        fields = pb.read_fields(request, INPUTS, BATCHED)
+        fields = RouterRequest.decode(pb.input_arrays(request, RouterRequest.TENSORS.names))
         if not self.decoupled:
-            fields[P.STREAM] = False
+            fields[C.STREAM] = False
         return build_route_request(
             fields,
             self.tokenizer,

@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 
-from disagg import contracts as P
+from disagg import contracts as C
 from disagg.settings import ServeSettings
 
 
@@ -47,7 +47,7 @@ class System:
     def http_get(self, url: str, timeout_s: float = 3) -> int | None:
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as r:
-                return r.status
+                return int(r.status)
         except urllib.error.HTTPError as e:
             return e.code
         except OSError:
@@ -81,11 +81,14 @@ class System:
         from disagg.client import HttpClient
 
         http = HttpClient(f"http://{settings.host}:{settings.http_port}", timeout_s=60)
-        start, first = time.perf_counter(), []
+        start = time.perf_counter()
+        first: list[float] = []
+
+        def on_delta(_: str) -> None:
+            if not first:
+                first.append(time.perf_counter())
+
         http.generate(
-            "router",
-            {P.TEXT_INPUT: "Hello", P.MAX_TOKENS: 2},
-            stream=True,
-            on_delta=lambda _: first or first.append(time.perf_counter()),
+            "router", {C.TEXT_INPUT: "Hello", C.MAX_TOKENS: 2}, stream=True, on_delta=on_delta
         )
         return (first[0] if first else time.perf_counter()) - start

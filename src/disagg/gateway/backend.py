@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
 from disagg import contracts as C
-from disagg.client import grpc_inputs
-from disagg.client import output_value as _value
+from disagg.codec.generate import RouterReply, RouterRequest
+from disagg.codec.tensors import gather, triton_dtype
 from disagg.gateway.errors import APIError
 
 
@@ -30,11 +31,34 @@ class Piece:
     extra: dict = field(default_factory=dict)
 
 
+def _inputs(fields: dict) -> list[grpcclient.InferInput]:
+    """The router's inputs (codec.generate.RouterRequest) as tritonclient inputs."""
+    inputs = []
+    for name, arr in RouterRequest.encode(fields).items():
+        t = grpcclient.InferInput(name, list(arr.shape), triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    return inputs
+
+
+def _piece(result) -> Piece:
+    """One router response (codec.generate.RouterReply)."""
+    arrays = gather(result.as_numpy, RouterReply.TENSORS.names)
+    reply = RouterReply.decode(arrays)
+    return Piece(
+        text=reply.text,
+        num_input_tokens=reply.num_input_tokens,
+        num_output_tokens=reply.num_output_tokens,
+        finish_reason=reply.finish_reason,
+        extra=RouterReply.extras(arrays),
+    )
+
+
 def api_error(message: str) -> APIError:
     kind, text = C.split_error(message)
-    if kind == C.INVALID_REQUEST:
+    if kind is C.ErrorKind.INVALID_REQUEST:
         return APIError(400, text)
-    if kind == C.UNAVAILABLE:
+    if kind is C.ErrorKind.UNAVAILABLE:
         return APIError(503, text, type_="server_error", code="model_unavailable")
     return APIError(500, text, type_="server_error")
 
@@ -146,7 +170,7 @@ class TritonBackend:
             yield {
                 "model_name": model,
                 "model_version": version,
-                "inputs": grpc_inputs({**inputs, C.STREAM: True}),
+                "inputs": _inputs({**inputs, C.STREAM: True}),
                 "request_id": request_id,
                 "enable_empty_final_response": True,
             }
@@ -158,13 +182,7 @@ class TritonBackend:
                 if error is not None:
                     done = True
                     raise api_error(str(error))
-                piece = Piece(
-                    text=_value(result, C.TEXT_OUTPUT) or "",
-                    num_input_tokens=_value(result, C.NUM_INPUT_TOKENS) or 0,
-                    num_output_tokens=_value(result, C.NUM_OUTPUT_TOKENS) or 0,
-                    finish_reason=_value(result, C.FINISH_REASON) or None,
-                    extra={k: v for k in C.ROUTER_EXTRAS if (v := _value(result, k)) is not None},
-                )
+                piece = _piece(result)
                 params = result.get_response().parameters
                 final = params.get("triton_final_response")
                 if final is not None and final.bool_param:

@@ -7,22 +7,22 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import uuid
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from disagg.contracts import REQUEST_ID_HEADER, client_request_id
+from disagg.contracts import REQUEST_ID_HEADER, client_request_id, new_request_id
 from disagg.gateway.errors import APIError, bad_request
 
 
 def request_id(request: Request) -> str:
-    """The client's x-request-id when safe (contracts.client_request_id), else a new one; the
-    same for every call on one request."""
+    """The client's x-request-id when safe (contracts.client_request_id), else a new one
+    (contracts.new_request_id); the same for every call on one request. The router's own id
+    starts with it."""
     rid = getattr(request.state, "disagg_request_id", None)
     if rid is None:
         given = client_request_id(request.headers.get(REQUEST_ID_HEADER, ""))
-        rid = request.state.disagg_request_id = given or uuid.uuid4().hex
+        rid = request.state.disagg_request_id = given or new_request_id()
     return rid
 
 

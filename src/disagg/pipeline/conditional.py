@@ -48,6 +48,7 @@ from __future__ import annotations
 import statistics
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DECODE_IDLE = "decode_idle"
@@ -114,7 +115,10 @@ class CostModel:
         self.handoff_s_per_token = p.handoff_s_per_token
         self.remote_stall = p.remote_stall
         # token gaps while no remote prefill runs / while one does
-        self._gaps = {False: deque(maxlen=p.gap_window), True: deque(maxlen=p.gap_window)}
+        self._gaps: dict[bool, deque[float]] = {
+            False: deque(maxlen=p.gap_window),
+            True: deque(maxlen=p.gap_window),
+        }
         self._lock = threading.Lock()
 
     def decide(self, num_prompt_tokens: int, load: Load) -> Decision:
@@ -178,7 +182,7 @@ class LoadTracker:
     sees all the traffic by default; with several, each sees its share). `on_change` gets
     each new Load (a metrics gauge)."""
 
-    def __init__(self, on_change=None) -> None:
+    def __init__(self, on_change: Callable[[Load], None] | None = None) -> None:
         self._lock = threading.Lock()
         self.prefill_queue_tokens = 0
         self.decode_active = 0

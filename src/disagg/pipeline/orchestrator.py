@@ -17,11 +17,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from disagg import contracts as C
+from disagg.codec.generate import GenerationFields
 from disagg.contracts import (
     COLOCATED,
     CONDITIONAL,
@@ -102,44 +103,47 @@ def kv_path(payload) -> tuple[str, int]:
 
 
 def build_request(
-    fields: dict,
+    fields: dict[str, Any],
     tokenizer: Tokenizer,
     max_tokens_default: int,
     caller_id: str = "",
 ) -> GenerateRequest:
-    """Client-facing fields (TensorRT-LLM ensemble names, already plain Python values) ->
-    a validated-shape GenerateRequest. Semantic limits are checked by `check_request`."""
+    """Client-facing fields (TensorRT-LLM ensemble names, already plain Python values: codec
+    OrchestratorRequest.decode) -> a validated-shape GenerateRequest. Semantic limits are
+    checked by `check_request`."""
     prompt_ids = [int(t) for t in fields.get(C.INPUT_IDS, [])]
-    for name in (C.MAX_TOKENS, C.TOP_K, C.END_ID, C.PAD_ID):
-        if fields.get(name) is not None and int(fields[name]) < 0:
+    g = GenerationFields.parse(fields)  # as the router reads them (routing/request.py)
+    for name, value in (
+        (C.MAX_TOKENS, g.max_tokens),
+        (C.TOP_K, g.top_k),
+        (C.END_ID, g.end_id),
+        (C.PAD_ID, g.pad_id),
+    ):
+        if value is not None and value < 0:
             # Triton's HTTP endpoint stores a JSON number above 2**31-1 into the INT32 tensor
             # modulo 2**32: 3e9 arrives as -1294967296; say so rather than echo that number
             raise RequestError(
-                f"{name} must not be negative, got {fields[name]} (if you sent a number "
+                f"{name} must not be negative, got {value} (if you sent a number "
                 "above 2147483647, Triton's INT32 input wrapped it around)"
             )
-    stop = tuple(s for s in fields.get(C.STOP_WORDS, []) if s)
-    bad = tuple(tuple(tokenizer.encode(w)) for w in fields.get(C.BAD_WORDS, []) if w)
-    stop_ids = () if fields.get(C.END_ID) is None else (int(fields[C.END_ID]),)
-    seed = fields.get(C.SEED)
     params = SamplingParams(
-        max_tokens=int(fields.get(C.MAX_TOKENS, max_tokens_default)),
-        temperature=float(fields.get(C.TEMPERATURE, 0.0)),
-        top_k=int(fields.get(C.TOP_K, 0)),
-        top_p=float(fields.get(C.TOP_P, 1.0)),
-        seed=None if seed is None else int(seed),
-        stop_token_ids=stop_ids,
-        stop=stop,
-        bad_words_ids=bad,
-        ignore_eos=bool(fields.get(C.IGNORE_EOS, False)),
+        max_tokens=max_tokens_default if g.max_tokens is None else g.max_tokens,
+        temperature=g.temperature,
+        top_k=g.top_k,
+        top_p=g.top_p,
+        seed=g.seed,
+        stop_token_ids=() if g.end_id is None else (g.end_id,),
+        stop=g.stop_words,
+        bad_words_ids=tuple(tuple(tokenizer.encode(w)) for w in g.bad_words),
+        ignore_eos=g.ignore_eos,
     )
     return GenerateRequest(
         request_id=child_request_id(caller_id),
         prompt_ids=prompt_ids,
-        prompt_text=fields.get(C.TEXT_INPUT, ""),
+        prompt_text=g.text_input,
         params=params,
-        stream=bool(fields.get(C.STREAM, False)),
-        exclude_input_in_output=bool(fields.get(C.EXCLUDE_INPUT_IN_OUTPUT, False)),
+        stream=g.stream,
+        exclude_input_in_output=g.exclude_input_in_output,
     )
 
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from disagg.codec.generate import EXCLUDE_INPUT_DEFAULT
 from disagg.contracts import Handoff, Reply
 from disagg.engine.sequence import SamplingParams
 from disagg.engine.tokenizer import TextStream
@@ -20,7 +21,7 @@ class GenerateRequest:
     prompt_text: str  # echoed before the reply when exclude_input_in_output is false
     params: SamplingParams
     stream: bool = False
-    exclude_input_in_output: bool = True
+    exclude_input_in_output: bool = EXCLUDE_INPUT_DEFAULT  # one default, the codec's
     arrival_s: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
 
 

@@ -1,6 +1,6 @@
 """The orchestrator's prefill and decode pools on other servers, over Triton's gRPC API.
 
-Same contract as the pools over BLS (triton/pools.py): the same model inputs and outputs,
+Same contract as the pools over BLS (triton/pools.py): the same messages (codec/pools.py),
 the internal token (shared by every server of a deployment: DISAGG_INTERNAL_TOKEN), failures
 after the first response sent as outputs. What differs across hosts:
 
@@ -17,66 +17,66 @@ after the first response sent as outputs. What differs across hosts:
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections.abc import Iterator
+from typing import Any, NoReturn
 
-import numpy as np
+import grpc
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from disagg import contracts as P
+from disagg import contracts as C
+from disagg.codec.pools import DecodeCall, DecodeStepResponse, PrefillCall, PrefillResponse
+from disagg.codec.tensors import Arrays, gather, raise_for_failure, triton_dtype
 from disagg.contracts import DecodeStep, Handoff
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import PoolError
 from disagg.remote.replicas import Replica, ReplicaSet
 
 log = logging.getLogger("disagg.remote")
-PREFILL_OUTPUTS = (
-    P.FIRST_TOKEN, P.RESOLVED_SEED, P.KV_PAYLOAD, P.WORKER_PID, P.PREFILL_TIME_US,
-    P.PREFILL_START_NS,
-)  # fmt: skip
-DECODE_OUTPUTS = (
-    P.TOKEN_IDS, P.FINISH_REASON, P.WORKER_PID, P.ERROR_KIND, P.ERROR, P.DECODE_LOAD,
-)  # fmt: skip
 # gRPC status codes that mean "this replica did not take the request": try another
-_UNREACHABLE = ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED")
+_UNREACHABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
+# tritonclient keeps a failed call's status as str(grpc.StatusCode.X) ("StatusCode.UNAVAILABLE")
+_STATUS_CODES = {str(code): code for code in grpc.StatusCode}
 
 
-def remote_parameters() -> dict:
+def remote_parameters() -> dict[str, str]:
     """What a cross-server call sends: the shared token, and the caller kind that has failures
     after the first response travel as outputs. No pid: the stream is the liveness."""
-    return {P.CALLER_PARAM: P.BLS_CALLER, P.TOKEN_PARAM: os.environ.get(P.TOKEN_ENV, "")}
+    return {C.CALLER_PARAM: C.BLS_CALLER, C.TOKEN_PARAM: C.internal_token()}
 
 
-def _input(name: str, array: np.ndarray, dtype: str):
-    t = grpcclient.InferInput(name, list(array.shape), dtype)
-    t.set_data_from_numpy(array)
-    return t
+def grpc_inputs(arrays: Arrays) -> list[grpcclient.InferInput]:
+    """A codec message's arrays as tritonclient inputs."""
+    inputs = []
+    for name, array in arrays.items():
+        t = grpcclient.InferInput(name, list(array.shape), triton_dtype(array.dtype))
+        t.set_data_from_numpy(array)
+        inputs.append(t)
+    return inputs
 
 
-def _sampling(params: SamplingParams):
-    return _input(P.SAMPLING, np.array([P.sampling_to_json(params).encode()], np.object_), "BYTES")
+def grpc_status(e: InferenceServerException) -> grpc.StatusCode | None:
+    """The gRPC status of a failed call; None for an error a model sent inside a stream (a
+    stream's error response carries a message only)."""
+    return _STATUS_CODES.get(e.status() or "")
 
 
 def _unreachable(e: InferenceServerException) -> bool:
-    return any(code in str(e.status() or e) for code in _UNREACHABLE)
+    return grpc_status(e) in _UNREACHABLE
 
 
-def _raise_for_outputs(result, what: str) -> None:
-    kind = result.as_numpy(P.ERROR_KIND)
-    if kind is None or not (k := kind.reshape(-1)[0].decode()):
-        return
-    message = result.as_numpy(P.ERROR)
-    text = "" if message is None else message.reshape(-1)[0].decode("utf-8", "replace")
-    raise P.error_from_kind(k, text or "failed", what)
-
-
-def _raise_for_error(e: InferenceServerException, what: str):
+def _raise_for_error(e: InferenceServerException, what: str) -> NoReturn:
     """A Triton error from the replica as our error (its kind travels in the message)."""
-    kind, message = P.split_error(e.message() or str(e))
-    raise P.error_from_kind(kind, message, what) from e
+    kind, message = C.split_error(e.message() or str(e))
+    raise C.error_from_kind(kind, message, what) from e
+
+
+def _arrays(result: Any, names: tuple[str, ...]) -> Arrays:
+    return gather(result.as_numpy, names)
 
 
 class ClientCache:
@@ -128,27 +128,19 @@ class GrpcPrefillPool:
                 last = f"prefill at {replica.address}: {e.message() or e}"
         raise PoolError(last)
 
-    def _call(self, replica: Replica, request_id, prompt_ids, params) -> Handoff:
+    def _call(
+        self, replica: Replica, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> Handoff:
+        names = PrefillResponse.TENSORS.names
         result = self.clients.get(replica.address).infer(
             self.model,
-            [_input(P.PROMPT_IDS, np.asarray(prompt_ids, np.int32), "INT32"), _sampling(params)],
-            outputs=[grpcclient.InferRequestedOutput(n) for n in PREFILL_OUTPUTS],
+            grpc_inputs(PrefillCall.encode(prompt_ids, params)),
+            outputs=[grpcclient.InferRequestedOutput(n) for n in names],
             request_id=request_id,
             client_timeout=self.timeout_s,
             parameters=remote_parameters(),
         )
-
-        def scalar(name: str) -> int:
-            return int(result.as_numpy(name).reshape(-1)[0])
-
-        return Handoff(
-            first_token=scalar(P.FIRST_TOKEN),
-            seed=scalar(P.RESOLVED_SEED),
-            kv_payload=result.as_numpy(P.KV_PAYLOAD).reshape(-1),
-            worker_pid=scalar(P.WORKER_PID),
-            prefill_time_s=scalar(P.PREFILL_TIME_US) / 1e6,
-            start_wall_s=scalar(P.PREFILL_START_NS) / 1e9,
-        )
+        return PrefillResponse.decode(_arrays(result, names))
 
 
 class GrpcDecodePool:
@@ -174,21 +166,16 @@ class GrpcDecodePool:
         replica = self.replicas.choose()
         if replica is None:
             raise PoolError("decode: no decode replica is up")
-        inputs = [_sampling(params)]
-        if handoff is not None:
-            inputs += [
-                _input(P.FIRST_TOKEN, np.array([handoff.first_token], np.int32), "INT32"),
-                _input(P.RESOLVED_SEED, np.array([handoff.seed], np.uint64), "UINT64"),
-                _input(P.KV_PAYLOAD, np.asarray(handoff.kv_payload, np.uint8), "UINT8"),
-            ]
-        else:
-            inputs.append(_input(P.PROMPT_IDS, np.asarray(prompt_ids or [], np.int32), "INT32"))
+        inputs = grpc_inputs(DecodeCall.encode(params, handoff, prompt_ids))
         with self.replicas.using(replica):
             yield from self._stream(replica, request_id, inputs)
 
-    def _stream(self, replica: Replica, request_id: str, inputs) -> Iterator[DecodeStep]:
+    def _stream(
+        self, replica: Replica, request_id: str, inputs: list[grpcclient.InferInput]
+    ) -> Iterator[DecodeStep]:
         what = f"decode at {replica.address}"
-        events: queue.Queue = queue.Queue()
+        names = DecodeStepResponse.requested(with_load=True)
+        events: queue.Queue[tuple[Any, InferenceServerException | None]] = queue.Queue()
         # its own client: one stream per client in tritonclient; the channel is shared
         client = grpcclient.InferenceServerClient(replica.address)
         with self._lock:
@@ -198,7 +185,7 @@ class GrpcDecodePool:
             client.async_stream_infer(
                 self.model,
                 inputs,
-                outputs=[grpcclient.InferRequestedOutput(n) for n in DECODE_OUTPUTS],
+                outputs=[grpcclient.InferRequestedOutput(n) for n in names],
                 request_id=request_id,
                 enable_empty_final_response=True,
                 parameters=remote_parameters(),
@@ -215,19 +202,14 @@ class GrpcDecodePool:
                         raise PoolError(f"{what}: decode worker unreachable mid-request: "
                                         f"{error.message() or error}")  # fmt: skip
                     _raise_for_error(error, what)
-                _raise_for_outputs(result, what)
-                tokens = result.as_numpy(P.TOKEN_IDS)
-                load = result.as_numpy(P.DECODE_LOAD)
+                arrays = _arrays(result, tuple(names))
+                raise_for_failure(arrays, what)
+                load = DecodeStepResponse.load(arrays)
                 if load is not None:  # the server's whole load, other frontends' included
-                    self.replicas.report(replica, *(int(x) for x in load.reshape(-1)[:4]))
+                    self.replicas.report(replica, *load)
                 final = result.get_response().parameters.get("triton_final_response")
-                if tokens is not None:
-                    reason = result.as_numpy(P.FINISH_REASON).reshape(-1)[0].decode()
-                    yield DecodeStep(
-                        token_ids=[int(t) for t in tokens.reshape(-1)],
-                        finish_reason=reason or None,
-                        worker_pid=int(result.as_numpy(P.WORKER_PID).reshape(-1)[0]),
-                    )
+                if C.TOKEN_IDS in arrays:  # not the empty response that carries FINAL
+                    yield DecodeStepResponse.decode(arrays)
                 if final is not None and final.bool_param:
                     return
         finally:

@@ -76,7 +76,7 @@ def resolve(name: str, port: int) -> list[str]:
         parse_spec(",".join(addresses))  # host:port each, or ConfigError
         return addresses
     infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
-    hosts = sorted({info[4][0] for info in infos})
+    hosts = sorted({str(info[4][0]) for info in infos})  # an IPv4 or IPv6 address
     return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
 
 
@@ -146,7 +146,7 @@ class ReplicaSet:
                 r.ejected_until = now + self.eject_s
         return healthy
 
-    def choose(self, exclude: set[str] = frozenset()) -> Replica | None:
+    def choose(self, exclude: set[str] | frozenset[str] = frozenset()) -> Replica | None:
         """The least loaded usable replica not in `exclude`, or None."""
         now = self.clock()
         self._maybe_resolve(now)

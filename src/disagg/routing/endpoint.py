@@ -10,6 +10,7 @@ text that could carry it (an error body) is redacted first.
 
 from __future__ import annotations
 
+import enum
 import glob
 import http.client
 import importlib.util
@@ -19,13 +20,15 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from disagg.errors import DisaggError
 from disagg.routing.health import CircuitBreaker, RateLimits
 from disagg.routing.policy import EndpointConfig
 
 
-def _import_ssl():
+def _import_ssl() -> ModuleType:
     """`ssl`, also inside a Triton Python backend stub built on an older libpython than the
     stdlib it imports. nvidia-pytriton's stub embeds the system libpython (Debian's 3.11.2)
     but imports the venv's standard library (pyenv's 3.11.7 here), whose `_ssl` needs a symbol
@@ -41,6 +44,8 @@ def _import_ssl():
         if not found:
             raise
         spec = importlib.util.spec_from_file_location("_ssl", found[0])
+        if spec is None or spec.loader is None:
+            raise
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         sys.modules["_ssl"] = module
@@ -50,7 +55,10 @@ def _import_ssl():
         return ssl
 
 
-ssl = _import_ssl()
+if TYPE_CHECKING:
+    import ssl
+else:
+    ssl = _import_ssl()
 
 
 class _TLSConnection(http.client.HTTPConnection):
@@ -68,22 +76,42 @@ class _TLSConnection(http.client.HTTPConnection):
         self.sock = self._context.wrap_socket(self.sock, server_hostname=self.host)
 
 
-# error kinds (metric label values)
-RATE_LIMITED = "rate_limited"  # 429
-CAPACITY = "capacity"  # 498: the provider's capacity is exhausted
-SERVER_ERROR = "server_error"  # 5xx, or an error event inside the stream
-REJECTED = "rejected"  # 400/413/422: this request, not the endpoint
-AUTH = "auth"  # 401/403/404: key or model misconfigured
-TIMEOUT = "timeout"
-CONNECTION = "connection"  # refused, reset, cut mid-stream
-PROTOCOL = "protocol"  # not SSE, malformed JSON, no finish
+class ErrorKind(enum.StrEnum):
+    """How an endpoint call failed (EndpointError.kind; metric label values)."""
+
+    RATE_LIMITED = "rate_limited"  # 429
+    CAPACITY = "capacity"  # 498: the provider's capacity is exhausted
+    SERVER_ERROR = "server_error"  # 5xx, or an error event inside the stream
+    REJECTED = "rejected"  # 400/413/422: this request, not the endpoint
+    AUTH = "auth"  # 401/403/404: key or model misconfigured
+    TIMEOUT = "timeout"
+    CONNECTION = "connection"  # refused, reset, cut mid-stream
+    PROTOCOL = "protocol"  # not SSE, malformed JSON, no finish
+
+
+RATE_LIMITED, CAPACITY, SERVER_ERROR, REJECTED = (
+    ErrorKind.RATE_LIMITED, ErrorKind.CAPACITY, ErrorKind.SERVER_ERROR, ErrorKind.REJECTED,
+)  # fmt: skip
+AUTH, TIMEOUT, CONNECTION, PROTOCOL = (
+    ErrorKind.AUTH, ErrorKind.TIMEOUT, ErrorKind.CONNECTION, ErrorKind.PROTOCOL,
+)  # fmt: skip
 # kinds that say the endpoint is unhealthy (they count towards opening its circuit)
 BREAKER_KINDS = {SERVER_ERROR, AUTH, TIMEOUT, CONNECTION, PROTOCOL}
 MAX_ERROR_BODY = 2048
 
 
+class Unavailable(enum.StrEnum):
+    """Why an endpoint cannot take a request now (`unavailable_reason`): the router's
+    route_reason when it falls back, and the fallback metric's label."""
+
+    MODEL_NOT_MAPPED = "model_not_mapped"  # the endpoint serves no such public model
+    NO_CREDENTIALS = "no_credentials"  # its API key is not set
+    RATE_LIMITED = "rate_limited"  # its request or token budget is spent for now
+    CIRCUIT_OPEN = "circuit_open"  # it failed repeatedly; waiting out its cooldown
+
+
 class EndpointError(DisaggError):
-    def __init__(self, kind: str, message: str, status: int | None = None) -> None:
+    def __init__(self, kind: ErrorKind, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.kind = kind
         self.status = status
@@ -93,15 +121,15 @@ class EndpointError(DisaggError):
 class ChatRequest:
     """What is sent: the OpenAI chat-completions fields disagg can map faithfully."""
 
-    messages: list[dict]
+    messages: list[dict[str, str]]
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
-    def body(self, model: str) -> dict:
-        body = {
+    def body(self, model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
             "model": model,
             "messages": self.messages,
             "stream": True,
@@ -121,7 +149,7 @@ class ChatRequest:
 class StreamEvent:
     text: str = ""  # a content delta
     finish_reason: str | None = None  # on the last event
-    usage: dict = field(default_factory=dict)  # prompt_tokens / completion_tokens, if reported
+    usage: dict[str, int] = field(default_factory=dict)  # prompt/completion_tokens, if reported
 
 
 def _status_error(status: int, body: str) -> EndpointError:
@@ -154,36 +182,36 @@ class OpenAIEndpoint:
             return public_model
         return self.config.models.get(public_model)
 
-    def unavailable_reason(self, public_model: str, est_tokens: int) -> str | None:
+    def unavailable_reason(self, public_model: str, est_tokens: int) -> Unavailable | None:
         """Why this endpoint cannot take a request now, or None (and, when its circuit is
         half-open, this request becomes the probe)."""
         if self.model_for(public_model) is None:
-            return "model_not_mapped"
+            return Unavailable.MODEL_NOT_MAPPED
         if self.config.api_key() is None:
-            return "no_credentials"
+            return Unavailable.NO_CREDENTIALS
         if not self.limits.can_send(est_tokens):
-            return RATE_LIMITED
+            return Unavailable.RATE_LIMITED
         if not self.breaker.allow():
-            return "circuit_open"
+            return Unavailable.CIRCUIT_OPEN
         return None
 
     def stream_chat(self, public_model: str, req: ChatRequest) -> Iterator[StreamEvent]:
         """Content deltas, then one event with the finish reason (and usage). Raises
         EndpointError; closing the generator early (a cancelled request) closes the call."""
         key = self.config.api_key() or ""
-        outcome = None
+        succeeded, failed = False, None  # failed: the EndpointError's kind
         try:
             yield from self._stream(key, self.model_for(public_model) or public_model, req)
-            outcome = "ok"
+            succeeded = True
         except EndpointError as e:
-            outcome = e.kind
+            failed = e.kind
             if key:
                 e.args = (str(e).replace(key, "***"),)
             raise
         finally:
-            if outcome == "ok":
+            if succeeded:
                 self.breaker.record_success()
-            elif outcome in BREAKER_KINDS:
+            elif failed in BREAKER_KINDS:
                 self.breaker.record_failure()
             else:  # cancelled, or a budget answer (429/498) that says nothing about health
                 self.breaker.release()
@@ -257,7 +285,7 @@ class OpenAIEndpoint:
             if "text/event-stream" not in ctype:
                 raise EndpointError(PROTOCOL, f"expected an SSE stream, got {ctype!r}")
             finish: str | None = None
-            usage: dict = {}
+            usage: dict[str, int] = {}
             while True:
                 what = arm()
                 try:
@@ -314,7 +342,7 @@ class OpenAIEndpoint:
         return StreamEvent(text, choice.get("finish_reason"), usage)
 
     @staticmethod
-    def _error_body(resp) -> str:
+    def _error_body(resp: http.client.HTTPResponse) -> str:
         try:
             raw = resp.read(MAX_ERROR_BODY)
         except (OSError, http.client.HTTPException):

@@ -33,6 +33,7 @@ import difflib
 import logging
 import os
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,7 +161,7 @@ _ENDPOINT_FIELDS = {
 _SECRET_KEYS = {"api_key", "key", "token", "secret", "password", "authorization"}
 
 
-def _unknown(keys, known, where: str) -> None:
+def _unknown(keys: Iterable[str], known: Iterable[str], where: str) -> None:
     for k in sorted(set(keys) - set(known)):
         hint = difflib.get_close_matches(k, list(known), n=1)
         raise ConfigError(
@@ -168,7 +169,7 @@ def _unknown(keys, known, where: str) -> None:
         )
 
 
-def _number(value, where: str, integer: bool = False) -> float:
+def _number(value: object, where: str, integer: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: expected a number, got {value!r}")
     if integer and not isinstance(value, int):
@@ -176,14 +177,14 @@ def _number(value, where: str, integer: bool = False) -> float:
     return value
 
 
-def _strings(value, where: str) -> tuple[str, ...]:
+def _strings(value: object, where: str) -> tuple[str, ...]:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
         raise ConfigError(f"{where}: expected a string or a non-empty list of strings")
     return tuple(values)
 
 
-def _endpoint(name: str, raw: dict) -> EndpointConfig:
+def _endpoint(name: str, raw: object) -> EndpointConfig:
     where = f"endpoint {name!r}"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a table")
@@ -212,10 +213,10 @@ def _endpoint(name: str, raw: dict) -> EndpointConfig:
     return EndpointConfig(name=name, **values)
 
 
-def _target(name: str, raw: dict, endpoints: dict) -> Target:
+def _target(name: str, raw: object, endpoints: dict[str, EndpointConfig]) -> Target:
     where = f"target {name!r}"
     kind = raw.get("kind") if isinstance(raw, dict) else None
-    if kind not in _TARGET_KEYS:
+    if not isinstance(raw, dict) or kind not in _TARGET_KEYS:
         raise ConfigError(f"{where}: kind must be {TRITON!r} or {OPENAI!r}, got {kind!r}")
     _unknown(raw, _TARGET_KEYS[kind], where)
     if kind == TRITON:
@@ -230,7 +231,7 @@ def _target(name: str, raw: dict, endpoints: dict) -> Target:
     return Target(name, kind, endpoints=names, fallback=raw.get("fallback", ""))
 
 
-def _rule(i: int, raw: dict, targets: dict) -> Rule:
+def _rule(i: int, raw: object, targets: dict[str, Target]) -> Rule:
     label = raw.get("name") if isinstance(raw, dict) else None
     where = f"rule {i + 1}" + (f" ({label!r})" if label else "")
     if not isinstance(raw, dict):
@@ -253,7 +254,7 @@ def _rule(i: int, raw: dict, targets: dict) -> Rule:
     return Rule(label, raw["target"], conds)
 
 
-def parse_policy(data: dict, source: str = "policy") -> Policy:
+def parse_policy(data: dict[str, Any], source: str = "policy") -> Policy:
     try:
         _unknown(data, _TOP, source)
         endpoints = {n: _endpoint(n, e) for n, e in data.get("endpoints", {}).items()}
@@ -267,7 +268,7 @@ def parse_policy(data: dict, source: str = "policy") -> Policy:
                     f"target {t.name!r}: fallback must name a {TRITON!r} target, got {t.fallback!r}"
                 )
         default = data.get("default")
-        if default not in targets:
+        if not isinstance(default, str) or default not in targets:
             raise ConfigError(f"default must name a target, got {default!r}")
         raw_rules = data.get("rules", [])
         if not isinstance(raw_rules, list):

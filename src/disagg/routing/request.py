@@ -4,97 +4,93 @@ fields, and the chat request an OpenAI-compatible endpoint would get (when it ca
 from __future__ import annotations
 
 import json
-from typing import Protocol
+from typing import Any, Protocol
 
-from disagg import contracts as P
+from disagg import contracts as C
+from disagg.codec.generate import GenerationFields, OrchestratorRequest
 from disagg.contracts import new_request_id
 from disagg.errors import RequestError
 from disagg.routing.endpoint import ChatRequest
 from disagg.routing.policy import RouteFeatures
 from disagg.routing.router import RouteRequest
 
-# router-only inputs: hints for the policy, and the prompt forms the router turns into ids
-ROUTER_ONLY = (
-    P.MODEL,
-    P.LATENCY_SLA_MS,
-    P.TASK_TYPE,
-    P.PRIORITY,
-    P.MESSAGES,
-    P.APPLY_CHAT_TEMPLATE,
-)
-
 
 class PromptEncoder(Protocol):
     def encode_prompt(self, text: str, messages_json: str, chat: bool) -> list[int]: ...
 
 
-def _chat_messages(fields: dict) -> list[dict] | None:
-    if fields.get(P.MESSAGES):
-        return json.loads(fields[P.MESSAGES])  # already checked by encode_prompt
-    if fields.get(P.APPLY_CHAT_TEMPLATE):
-        return [{"role": "user", "content": fields.get(P.TEXT_INPUT, "")}]
+def _chat_messages(fields: dict[str, Any]) -> list[dict[str, Any]] | None:
+    if fields.get(C.MESSAGES):
+        messages: list[dict[str, Any]] = json.loads(fields[C.MESSAGES])  # checked: encode_prompt
+        return messages
+    if fields.get(C.APPLY_CHAT_TEMPLATE):
+        return [{"role": "user", "content": fields.get(C.TEXT_INPUT, "")}]
     return None
 
 
-def local_only_fields(fields: dict, messages: list[dict] | None) -> tuple[str, ...]:
+def local_only_fields(
+    fields: dict[str, Any], messages: list[dict[str, Any]] | None
+) -> tuple[str, ...]:
     """Fields whose meaning an OpenAI chat endpoint cannot reproduce: such requests stay local
     rather than being answered differently from what was asked."""
+    g = GenerationFields.parse(fields)
     why = []
     if messages is None:
         why.append("raw_prompt")  # chat endpoints only take messages
-    if fields.get(P.TOP_K, 0) > 0:
-        why.append(P.TOP_K)
-    if any(fields.get(P.BAD_WORDS, [])):
-        why.append(P.BAD_WORDS)
-    if P.END_ID in fields:
-        why.append(P.END_ID)
-    if fields.get(P.IGNORE_EOS):
-        why.append(P.IGNORE_EOS)
+    if g.top_k > 0:
+        why.append(C.TOP_K)
+    if g.bad_words:
+        why.append(C.BAD_WORDS)
+    if g.end_id is not None:
+        why.append(C.END_ID)
+    if g.ignore_eos:
+        why.append(C.IGNORE_EOS)
     return tuple(why)
 
 
 def build_route_request(
-    fields: dict,
+    fields: dict[str, Any],
     tokenizer: PromptEncoder,
     default_model: str,
     max_tokens_default: int,
     client_request_id: str = "",
 ) -> RouteRequest:
-    if not fields.get(P.TEXT_INPUT) and not fields.get(P.MESSAGES):
-        raise RequestError(f"give {P.TEXT_INPUT} or {P.MESSAGES}")
+    if not fields.get(C.TEXT_INPUT) and not fields.get(C.MESSAGES):
+        raise RequestError(f"give {C.TEXT_INPUT} or {C.MESSAGES}")
+    g = GenerationFields.parse(fields)
     prompt_ids = tokenizer.encode_prompt(
-        fields.get(P.TEXT_INPUT, ""),
-        fields.get(P.MESSAGES, ""),
-        bool(fields.get(P.APPLY_CHAT_TEMPLATE, False)),
+        g.text_input, fields.get(C.MESSAGES, ""), bool(fields.get(C.APPLY_CHAT_TEMPLATE, False))
     )
-    max_tokens = int(fields.get(P.MAX_TOKENS, max_tokens_default))
+    max_tokens = max_tokens_default if g.max_tokens is None else g.max_tokens
     if max_tokens < 1:
-        raise RequestError(f"{P.MAX_TOKENS} must be >= 1, got {max_tokens}")
-    sla = fields.get(P.LATENCY_SLA_MS)
+        raise RequestError(f"{C.MAX_TOKENS} must be >= 1, got {max_tokens}")
+    sla = fields.get(C.LATENCY_SLA_MS)
     if sla is not None and sla <= 0:
-        raise RequestError(f"{P.LATENCY_SLA_MS} must be > 0, got {sla}")
+        raise RequestError(f"{C.LATENCY_SLA_MS} must be > 0, got {sla}")
     messages = _chat_messages(fields)
     features = RouteFeatures(
-        model=fields.get(P.MODEL) or default_model,
-        task_type=fields.get(P.TASK_TYPE, ""),
+        model=fields.get(C.MODEL) or default_model,
+        task_type=fields.get(C.TASK_TYPE, ""),
         latency_sla_ms=sla,
-        priority=int(fields.get(P.PRIORITY, 0)),
+        priority=int(fields.get(C.PRIORITY, 0)),
         max_tokens=max_tokens,
         prompt_tokens=len(prompt_ids),
         messages=len(messages) if messages else 0,
     )
-    local = {k: v for k, v in fields.items() if k not in ROUTER_ONLY}
-    local[P.INPUT_IDS] = prompt_ids
+    # what the local pipeline takes: the prompt's ids and the client's generation inputs as
+    # it sent them (the orchestrator reads them with the same GenerationFields)
+    local = {k: v for k, v in fields.items() if k in OrchestratorRequest.TENSORS.names}
+    local[C.INPUT_IDS] = prompt_ids
     not_for_endpoints = local_only_fields(fields, messages)
     chat = None
     if not not_for_endpoints and messages is not None:
         chat = ChatRequest(
             messages=messages,
             max_tokens=max_tokens,
-            temperature=float(fields.get(P.TEMPERATURE, 0.0)),
-            top_p=float(fields.get(P.TOP_P, 1.0)),
-            seed=fields.get(P.SEED),
-            stop=tuple(s for s in fields.get(P.STOP_WORDS, []) if s),
+            temperature=g.temperature,
+            top_p=g.top_p,
+            seed=g.seed,
+            stop=g.stop_words,
         )
     return RouteRequest(
         request_id=new_request_id(client_request_id),
@@ -102,7 +98,7 @@ def build_route_request(
         local_fields=local,
         chat=chat,
         not_for_endpoints=not_for_endpoints,
-        prompt_text=fields.get(P.TEXT_INPUT, ""),
-        stream=bool(fields.get(P.STREAM, False)),
-        exclude_input_in_output=bool(fields.get(P.EXCLUDE_INPUT_IN_OUTPUT, False)),
+        prompt_text=g.text_input,
+        stream=g.stream,
+        exclude_input_in_output=g.exclude_input_in_output,
     )

@@ -13,15 +13,24 @@ A non-streaming request has sent nothing before it ends, so it can always fall b
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from disagg.codec.generate import EXCLUDE_INPUT_DEFAULT
 from disagg.contracts import FINISH_ERROR, RoutedReply
+from disagg.engine.sequence import FinishReason
 from disagg.errors import PoolError
-from disagg.routing.endpoint import ChatRequest, EndpointError, OpenAIEndpoint, StreamEvent
+from disagg.routing.endpoint import (
+    ChatRequest,
+    EndpointError,
+    OpenAIEndpoint,
+    StreamEvent,
+    Unavailable,
+)
 from disagg.routing.policy import (
     OPENAI,
     EndpointConfig,
@@ -34,20 +43,43 @@ from disagg.routing.policy import (
 log = logging.getLogger("disagg.router")
 
 
+class Cause(enum.StrEnum):
+    """Why a request planned for endpoints was served by the local pipeline, besides an
+    endpoint's own `Unavailable` reason (route_reason, and the fallback metric's label)."""
+
+    UNSUPPORTED_REQUEST = "unsupported_request"  # fields only the local pipeline honours
+    ENDPOINT_FAILED = "endpoint_failed"  # an endpoint failed before any text was sent
+    ENDPOINTS_UNAVAILABLE = "endpoints_unavailable"  # endpoints out for different causes
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Why the endpoints did not serve a request."""
+
+    cause: Cause | Unavailable
+    detail: str = ""  # the endpoint error's kind, or the fields only the local pipeline honours
+
+    def __str__(self) -> str:
+        return f"{self.cause}:{self.detail}" if self.detail else str(self.cause)
+
+
 @dataclass(frozen=True)
 class RouteRequest:
     request_id: str  # unique: the local pipeline's cancellation is addressed by it
     features: RouteFeatures
-    local_fields: dict  # the client's fields plus input_ids: what the local pipeline takes
+    local_fields: dict[str, Any]  # the client's generation fields plus input_ids: what the
+    # local pipeline takes (codec.generate.OrchestratorRequest)
     chat: ChatRequest | None  # what an endpoint gets; None if it cannot be expressed as one
     not_for_endpoints: tuple[str, ...] = ()  # why `chat` is None (fields only local honours)
     prompt_text: str = ""  # echoed when exclude_input_in_output is false (non-streaming)
     stream: bool = False
-    exclude_input_in_output: bool = True
+    exclude_input_in_output: bool = EXCLUDE_INPUT_DEFAULT
 
 
 class LocalPipeline(Protocol):
-    def generate(self, model: str, request_id: str, fields: dict) -> Iterator[RoutedReply]:
+    def generate(
+        self, model: str, request_id: str, fields: dict[str, Any]
+    ) -> Iterator[RoutedReply]:
         """The local pipeline's responses: deltas, then the final one (finish_reason set)."""
         ...
 
@@ -60,7 +92,7 @@ class Endpoint(Protocol):
     name: str
     config: EndpointConfig
 
-    def unavailable_reason(self, public_model: str, est_tokens: int) -> str | None: ...
+    def unavailable_reason(self, public_model: str, est_tokens: int) -> Unavailable | None: ...
 
     def stream_chat(self, public_model: str, req: ChatRequest) -> Iterator[StreamEvent]:
         """Raises EndpointError (with its kind) when the endpoint fails."""
@@ -117,18 +149,19 @@ class Router:
         planned, reason = policy.route(req.features)
         target = policy.targets[planned]
         if target.kind == OPENAI:
-            cause = self._why_not_endpoints(req)
-            if cause is None:
-                reply, cause = self._try_endpoints(policy, target, req, emit, is_cancelled)
-                if reply is not None:
-                    return self._done(req, reply, planned, reason)
+            why = self._why_not_endpoints(req)
+            if why is None:
+                served = self._try_endpoints(policy, target, req, emit, is_cancelled)
+                if isinstance(served, RoutedReply):
+                    return self._done(req, served, planned, reason)
+                why = served
             local = policy.fallback_for(planned)
             log.info(
-                "request %s: %s -> %s (rule %s) unavailable: %s; served by %s",
-                req.request_id, planned, cause, reason, cause, local.name,
+                "request %s: %s (rule %s) unavailable: %s; served by %s",
+                req.request_id, planned, reason, why, local.name,
             )  # fmt: skip
-            self.events.fallback(planned, cause.split(":")[0])
-            target, reason = local, cause.split(":")[0]
+            self.events.fallback(planned, str(why.cause))
+            target, reason = local, str(why.cause)
         reply = self._serve_local(target, req, emit, is_cancelled)
         return self._done(req, reply, target.name, reason)
 
@@ -142,9 +175,9 @@ class Router:
         return reply
 
     @staticmethod
-    def _why_not_endpoints(req: RouteRequest) -> str | None:
+    def _why_not_endpoints(req: RouteRequest) -> Fallback | None:
         if req.chat is None:
-            return "unsupported_request:" + ",".join(req.not_for_endpoints)
+            return Fallback(Cause.UNSUPPORTED_REQUEST, ",".join(req.not_for_endpoints))
         return None
 
     def _try_endpoints(
@@ -154,25 +187,25 @@ class Router:
         req: RouteRequest,
         emit: Callable[[RoutedReply], None],
         is_cancelled: Callable[[], bool],
-    ) -> tuple[RoutedReply | None, str]:
-        """The first endpoint that serves the request, else (None, why none did)."""
-        causes = []
+    ) -> RoutedReply | Fallback:
+        """The reply of the first endpoint that serves the request, else why none did."""
+        causes: list[Fallback] = []
         est_tokens = req.features.prompt_tokens + req.features.max_tokens
         for name in target.endpoints:
             ep = self.endpoint(policy, name)
             why = ep.unavailable_reason(req.features.model, est_tokens)
             if why is not None:
-                causes.append(why)
+                causes.append(Fallback(why))
                 continue
-            if any(c.startswith("endpoint_failed") for c in causes):
+            if any(c.cause is Cause.ENDPOINT_FAILED for c in causes):
                 self.events.retry(name)
             try:
-                return self._serve_endpoint(ep, req, emit, is_cancelled), ""
+                return self._serve_endpoint(ep, req, emit, is_cancelled)
             except EndpointError as e:
                 self.events.endpoint_error(name, e.kind)
                 log.warning("request %s: endpoint %s failed: %s", req.request_id, name, e)
-                causes.append(f"endpoint_failed:{e.kind}")
-        return None, causes[0] if len(set(causes)) == 1 else "endpoints_unavailable"
+                causes.append(Fallback(Cause.ENDPOINT_FAILED, e.kind))
+        return causes[0] if len(set(causes)) == 1 else Fallback(Cause.ENDPOINTS_UNAVAILABLE)
 
     def _serve_endpoint(
         self,
@@ -189,7 +222,7 @@ class Router:
         try:
             for ev in events:
                 if is_cancelled():
-                    out.finish_reason = "abort"
+                    out.finish_reason = FinishReason.ABORT.value
                     break
                 if ev.text:
                     text += ev.text

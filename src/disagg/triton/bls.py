@@ -1,7 +1,8 @@
 """The contract of calls between the models of one server (BLS): who may call an internal
 model, the caller's and the callee's liveness, acknowledgements, and failures that must not
 get lost inside a BLS stream (contracts.py, "failures inside a BLS stream"). The pools built
-on it are in pools.py."""
+on it are the callers in pools.py (the orchestrator's) and local_pipeline.py (the
+router's), and the callees' sides in prefill_side.py and decode_side.py."""
 
 from __future__ import annotations
 
@@ -12,17 +13,19 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterable, Iterator
+from typing import Any
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from disagg import contracts as P
+from disagg import contracts as C
+from disagg.codec.tensors import ACK, FAILURE, encode_ack, encode_failure, raise_for_failure
 from disagg.errors import PoolError, RequestError
 from disagg.process import process_alive
-from disagg.triton.pb import error_response, raise_for_error, tensor
+from disagg.triton.pb import error_response, output_arrays, raise_for_error, tensors
 
 
-def _request_parameters(request) -> dict:
+def _request_parameters(request: pb_utils.InferenceRequest) -> dict[str, Any]:  # JSON values
     try:
         params = json.loads(request.parameters() or "{}")
     except (ValueError, TypeError):
@@ -30,16 +33,16 @@ def _request_parameters(request) -> dict:
     return params if isinstance(params, dict) else {}
 
 
-def is_bls_caller(request) -> bool:
+def is_bls_caller(request: pb_utils.InferenceRequest) -> bool:
     """Whether another model of this server sent `request` over BLS (see contracts.py)."""
-    return _request_parameters(request).get(P.CALLER_PARAM) == P.BLS_CALLER
+    return _request_parameters(request).get(C.CALLER_PARAM) == C.BLS_CALLER
 
 
-def check_internal(request, model: str) -> None:
+def check_internal(request: pb_utils.InferenceRequest, model: str) -> None:
     """Refuse a request to an internal model that did not come from this server's own BLS
     calls (it carries this server's token; see contracts.py)."""
-    token = os.environ.get(P.TOKEN_ENV, "")
-    given = str(_request_parameters(request).get(P.TOKEN_PARAM, ""))
+    token = C.internal_token()
+    given = str(_request_parameters(request).get(C.TOKEN_PARAM, ""))
     if not hmac.compare_digest(given.encode(), token.encode()):
         raise RequestError(
             f"'{model}' is internal to this server's pipeline and takes no requests from "
@@ -49,9 +52,9 @@ def check_internal(request, model: str) -> None:
 
 # what a BLS call sends (is_bls_caller, check_internal, CallerWatch)
 BLS_PARAMETERS = {
-    P.CALLER_PARAM: P.BLS_CALLER,
-    P.TOKEN_PARAM: os.environ.get(P.TOKEN_ENV, ""),
-    P.CALLER_PID_PARAM: os.getpid(),
+    C.CALLER_PARAM: C.BLS_CALLER,
+    C.TOKEN_PARAM: C.internal_token(),
+    C.CALLER_PID_PARAM: os.getpid(),
 }
 
 
@@ -67,9 +70,9 @@ class CallerWatch:
         self._gone = False
 
     @classmethod
-    def of(cls, request) -> CallerWatch:
+    def of(cls, request: pb_utils.InferenceRequest) -> CallerWatch:
         try:
-            pid = int(_request_parameters(request).get(P.CALLER_PID_PARAM, 0))
+            pid = int(_request_parameters(request).get(C.CALLER_PID_PARAM, 0))
         except (TypeError, ValueError):
             pid = 0
         return cls(pid if is_bls_caller(request) else 0)
@@ -85,35 +88,22 @@ class CallerWatch:
 
 def ack_response(pid: int, batched: bool) -> pb_utils.InferenceResponse:
     """The first response to a BLS caller: which process to watch while waiting."""
-    return pb_utils.InferenceResponse(
-        output_tensors=[tensor(P.WORKER_PID, [pid], np.int32, batched)]
-    )
+    return pb_utils.InferenceResponse(output_tensors=tensors(encode_ack(pid, batched)))
 
 
-def failure_response(exc: Exception, as_outputs: bool, batched: bool = False):
+def failure_response(
+    exc: Exception, as_outputs: bool, batched: bool = False
+) -> pb_utils.InferenceResponse:
     """A failed request's final response: a Triton error, or for a BLS caller that is past its
     first response, the error as outputs (Triton would drop the error response)."""
     if not as_outputs:
         return error_response(exc)
-    return pb_utils.InferenceResponse(
-        output_tensors=[
-            tensor(P.ERROR_KIND, [P.error_kind_of(exc).encode()], np.object_, batched),
-            tensor(P.ERROR, [str(exc).encode("utf-8", "replace")], np.object_, batched),
-        ]
-    )
+    return pb_utils.InferenceResponse(output_tensors=tensors(encode_failure(exc, batched)))
 
 
-def _raise_for_outputs(response, what: str) -> None:
-    """A failure a model behind us sent as outputs (failure_response)."""
-    kind = pb_utils.get_output_tensor_by_name(response, P.ERROR_KIND)
-    if kind is None or not (k := kind.as_numpy().reshape(-1)[0].decode()):
-        return
-    message = pb_utils.get_output_tensor_by_name(response, P.ERROR)
-    text = "" if message is None else message.as_numpy().reshape(-1)[0].decode("utf-8", "replace")
-    raise P.error_from_kind(k, text or "failed", what)
-
-
-def bls_stream(req, what: str, liveness_check_s: float = 1.0):
+def bls_stream(
+    req: pb_utils.InferenceRequest, what: str, liveness_check_s: float = 1.0
+) -> Iterator[pb_utils.InferenceResponse]:
     """The responses of a decoupled BLS call, every failure raised (Triton errors, failures
     sent as outputs, the callee's process dying), acknowledgements included.
 
@@ -124,7 +114,7 @@ def bls_stream(req, what: str, liveness_check_s: float = 1.0):
         responses = req.exec(decoupled=True)
     except pb_utils.TritonModelException as e:  # model missing, not ready
         raise PoolError(f"{what}: {e}") from e
-    events: queue.Queue = queue.Queue()
+    events: queue.Queue[pb_utils.InferenceResponse | Exception | None] = queue.Queue()
     threading.Thread(target=_pump, args=(responses, events), daemon=True).start()
     pid = 0
     while True:
@@ -139,14 +129,17 @@ def bls_stream(req, what: str, liveness_check_s: float = 1.0):
         if isinstance(response, Exception):
             raise PoolError(f"{what}: {response}") from response
         raise_for_error(response, what)
-        _raise_for_outputs(response, what)
-        worker = pb_utils.get_output_tensor_by_name(response, P.WORKER_PID)
-        if worker is not None:
-            pid = int(worker.as_numpy().reshape(-1)[0])
+        contract = output_arrays(response, ACK.names + FAILURE.names)
+        raise_for_failure(contract, what)  # a failure sent as outputs (failure_response)
+        if C.WORKER_PID in contract:
+            pid = int(contract[C.WORKER_PID].reshape(-1)[0])
         yield response
 
 
-def _pump(responses, events: queue.Queue) -> None:
+def _pump(
+    responses: Iterable[pb_utils.InferenceResponse],
+    events: queue.Queue[pb_utils.InferenceResponse | Exception | None],
+) -> None:
     try:
         for response in responses:
             events.put(response)
@@ -170,10 +163,10 @@ class Graveyard:
 
     def __init__(self, keep_s: float = 30.0) -> None:
         self.keep_s = keep_s
-        self._items: collections.deque = collections.deque()
+        self._items: collections.deque[tuple[float, object]] = collections.deque()
         self._lock = threading.Lock()
 
-    def keep(self, item, now: float | None = None) -> None:
+    def keep(self, item: object, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         with self._lock:
             self._items.append((now, item))

@@ -10,12 +10,15 @@ import faulthandler
 import json
 import logging
 import os
+from collections.abc import Iterable
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from disagg import contracts as P
-from disagg.contracts import Reply
+from disagg import contracts as C
+from disagg.codec import tensors as codec
+from disagg.codec.generate import OrchestratorReply, RouterReply
+from disagg.contracts import Reply, RoutedReply
 from disagg.errors import PoolError, RequestError
 from disagg.settings import ModelParams
 
@@ -50,48 +53,16 @@ def input_array(request, name: str) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
-def _one_item(name: str, arr: np.ndarray, batched: bool) -> np.ndarray:
-    """Drop the batch dimension of a batched model's input, refusing batches above 1."""
-    if batched:
-        if arr.ndim == 0 or arr.shape[0] != 1:
-            raise RequestError(f"{name}: batch size must be 1 (send one prompt per request)")
-        arr = arr[0]
-    return arr.reshape(-1)
-
-
-def _text(value) -> str:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RequestError(f"text is not valid UTF-8: {e}") from e
-    return str(value)
+def input_arrays(request, names: Iterable[str]) -> codec.Arrays:
+    """The request's inputs among `names` (a codec message's), absent ones left out."""
+    return codec.gather(lambda name: input_array(request, name), names)
 
 
 def read_fields(request, kinds: dict[str, str], batched: bool) -> dict:
     """Present inputs among `kinds` ({name: "str" | "strs" | "int" | "float" | "bool" |
-    "ints"}) as plain Python values. Absent optional inputs are simply left out."""
-    fields = {}
-    for name, kind in kinds.items():
-        arr = input_array(request, name)
-        if arr is None:
-            continue
-        flat = _one_item(name, arr, batched)
-        if kind == "strs":
-            fields[name] = [_text(v) for v in flat]
-        elif kind == "ints":
-            fields[name] = [int(v) for v in flat]
-        elif flat.size != 1:
-            raise RequestError(f"{name} must hold exactly one value, got {flat.size}")
-        elif kind == "str":
-            fields[name] = _text(flat[0])
-        elif kind == "int":
-            fields[name] = int(flat[0])
-        elif kind == "float":
-            fields[name] = float(flat[0])
-        elif kind == "bool":
-            fields[name] = bool(flat[0])
-    return fields
+    "ints"}) as plain Python values (codec.tensors.read_fields). Absent optional inputs are
+    simply left out."""
+    return codec.read_fields(input_arrays(request, kinds), kinds, batched)
 
 
 # ------------------------------------------------------------------ responses
@@ -103,14 +74,9 @@ def tensor(name: str, value, dtype, batched: bool = False) -> pb_utils.Tensor:
     return pb_utils.Tensor(name, arr[None, :] if batched else arr)
 
 
-def _client_outputs(reply, batched: bool) -> list[pb_utils.Tensor]:
-    """The ensemble's four outputs, from a Reply or a RoutedReply."""
-    return [
-        tensor(P.TEXT_OUTPUT, [reply.text.encode("utf-8")], np.object_, batched),
-        tensor(P.NUM_INPUT_TOKENS, [reply.num_input_tokens], np.int32, batched),
-        tensor(P.NUM_OUTPUT_TOKENS, [reply.num_output_tokens], np.int32, batched),
-        tensor(P.FINISH_REASON, [(reply.finish_reason or "").encode()], np.object_, batched),
-    ]
+def tensors(arrays: codec.Arrays) -> list[pb_utils.Tensor]:
+    """A codec message's arrays as Triton tensors."""
+    return [pb_utils.Tensor(name, arr) for name, arr in arrays.items()]
 
 
 def requested_outputs(request) -> frozenset[str]:
@@ -131,31 +97,23 @@ def response(outputs: list, requested: frozenset[str] = frozenset()):
 def reply_response(
     reply: Reply, batched: bool, requested: frozenset[str] = frozenset()
 ) -> pb_utils.InferenceResponse:
-    outputs = _client_outputs(reply, batched)
-    if reply.finish_reason is not None:
-        outputs += [
-            tensor(P.SERVED_BY, [reply.served_by.encode()], np.object_, batched),
-            tensor(P.PREFILL_PID, [reply.prefill_pid], np.int32, batched),
-            tensor(P.DECODE_PID, [reply.decode_pid], np.int32, batched),
-            tensor(P.KV_BYTES, [reply.kv_bytes], np.int64, batched),
-            tensor(P.KV_HANDOFF_US, [int(reply.kv_handoff_s * 1e6)], np.int64, batched),
-        ]
-    return response(outputs, requested)
+    """An orchestrator response (codec.generate.OrchestratorReply)."""
+    return response(tensors(OrchestratorReply.encode(reply, batched)), requested)
 
 
 def error_code(exc: Exception):
     # looked up per call: the stub that auto-completes configs has no TritonError
     codes = pb_utils.TritonError
-    kind = P.error_kind_of(exc)
-    if kind == P.INVALID_REQUEST:
+    kind = C.error_kind_of(exc)
+    if kind is C.ErrorKind.INVALID_REQUEST:
         return codes.INVALID_ARG
-    return codes.UNAVAILABLE if kind == P.UNAVAILABLE else codes.INTERNAL
+    return codes.UNAVAILABLE if kind is C.ErrorKind.UNAVAILABLE else codes.INTERNAL
 
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     """A Triton error with the kind's code, its message tagged with the kind (a gRPC stream
     carries the message alone; contracts.split_error reads the kind back)."""
-    message = P.tag_error(P.error_kind_of(exc), str(exc))
+    message = C.tag_error(C.error_kind_of(exc), str(exc))
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code(exc)))
 
 
@@ -166,31 +124,26 @@ def raise_for_error(response, what: str) -> None:
         return
     err = response.error()
     if err.code() == pb_utils.TritonError.INVALID_ARG:
-        raise RequestError(P.split_error(err.message())[1])
+        raise RequestError(C.split_error(err.message())[1])
     raise PoolError(f"{what}: {err.message()}")
 
 
-def output_array(response, name: str) -> np.ndarray:
+def output_array(response, name: str) -> np.ndarray | None:
     t = pb_utils.get_output_tensor_by_name(response, name)
-    if t is None:
-        raise PoolError(f"response lacks output {name!r}")
-    return t.as_numpy()
+    return None if t is None else t.as_numpy()
+
+
+def output_arrays(response, names: Iterable[str]) -> codec.Arrays:
+    """The response's outputs among `names` (a codec message's), absent ones left out."""
+    return codec.gather(lambda name: output_array(response, name), names)
 
 
 def routed_response(
-    reply, batched: bool, requested: frozenset[str] = frozenset()
+    reply: RoutedReply, batched: bool, requested: frozenset[str] = frozenset()
 ) -> pb_utils.InferenceResponse:
-    """A router response: the ensemble's outputs, and on the final one where it was routed."""
-    outputs = _client_outputs(reply, batched)
-    if reply.finish_reason is not None:
-        for name, value in (
-            (P.ROUTE_TARGET, reply.target),
-            (P.ROUTE_REASON, reply.reason),
-            (P.SERVED_BY, reply.served_by),
-            (P.ERROR, reply.error),
-        ):
-            outputs.append(tensor(name, [value.encode("utf-8")], np.object_, batched))
-    return response(outputs, requested)
+    """A router response (codec.generate.RouterReply): the ensemble's outputs, and on the
+    final one where it was routed."""
+    return response(tensors(RouterReply.encode(reply, batched)), requested)
 
 
 def configure_logging() -> None:

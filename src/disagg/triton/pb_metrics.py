@@ -6,18 +6,27 @@ import gc
 import logging
 import queue
 import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import triton_python_backend_utils as pb_utils
 
 from disagg import metrics as M
 from disagg.contracts import DecodeStats
 
+if TYPE_CHECKING:
+    from triton_python_backend_utils import _MetricKind
+
+    from disagg.pipeline.conditional import Load
+    from disagg.remote.replicas import ReplicaSet
+
 _log = logging.getLogger("disagg.triton")
 
 
-def _family_kind(kind: str):
+def _family_kind(kind: str) -> _MetricKind:
     # looked up late: the stub that auto-completes configs has no MetricFamily
-    return getattr(pb_utils.MetricFamily, kind.upper())
+    found: _MetricKind = getattr(pb_utils.MetricFamily, kind.upper())
+    return found
 
 
 class _MetricsThread:
@@ -29,7 +38,7 @@ class _MetricsThread:
     that round trip off the request path. Updates land a moment after they are made."""
 
     def __init__(self) -> None:
-        self.updates: queue.SimpleQueue = queue.SimpleQueue()
+        self.updates: queue.SimpleQueue[_Update | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="metrics", daemon=True)
         self.thread.start()
 
@@ -47,12 +56,14 @@ class _MetricsThread:
         self.thread.join(timeout_s)
 
 
+_Labels = tuple[tuple[str, str], ...]  # a series' labels, sorted
+_Update = tuple["Family", dict[str, str], str, float]  # (family, labels, op, value)
 _metrics_thread: _MetricsThread | None = None
 _metrics_lock = threading.Lock()
 _families: list[Family] = []  # every Family of this process, for close_metrics
 
 
-def _submit(family, labels: dict, op: str, value: float) -> None:
+def _submit(family: Family, labels: dict[str, str], op: str, value: float) -> None:
     global _metrics_thread
     if _metrics_thread is None:
         with _metrics_lock:
@@ -85,10 +96,12 @@ class Family:
     def __init__(self, metric: M.Metric, **fixed: str) -> None:
         self.spec = metric
         self.fixed = fixed
-        self.family = pb_utils.MetricFamily(metric.name, metric.help, _family_kind(metric.kind))
+        self.family: pb_utils.MetricFamily | None = pb_utils.MetricFamily(
+            metric.name, metric.help, _family_kind(metric.kind)
+        )
         # touched by the metrics thread only
-        self.series: dict[tuple, object] = {}
-        self.last_set: dict[tuple, float] = {}  # gauges: the value the server has
+        self.series: dict[_Labels, pb_utils.Metric] = {}
+        self.last_set: dict[_Labels, float] = {}  # gauges: the value the server has
         _families.append(self)
         if metric.kind == M.GAUGE and set(metric.labels) <= set(fixed):
             # A restarted model process gets the dead one's series back (Triton keeps a
@@ -187,7 +200,7 @@ class OrchestratorMetrics:
     def error(self, stage: str, kind: str) -> None:
         self.errors.inc(stage=stage, kind=kind)
 
-    def load(self, load) -> None:
+    def load(self, load: Load) -> None:
         self.prefill_queue.set(load.prefill_queue_tokens)
 
 
@@ -195,11 +208,13 @@ class ReplicaMetrics:
     """The orchestrator's remote pools, per replica, refreshed every `interval_s` from their
     ReplicaSets (which count as requests come and go)."""
 
-    def __init__(self, replica_sets: dict, interval_s: float = 2.0) -> None:
+    def __init__(
+        self, replica_sets: Mapping[str, ReplicaSet | None], interval_s: float = 2.0
+    ) -> None:
         self.sets = {pool: rs for pool, rs in replica_sets.items() if rs is not None}
         self.requests, self.ejections = Family(M.REPLICA_REQUESTS), Family(M.REPLICA_EJECTIONS)
         self.outstanding, self.up = Family(M.REPLICA_OUTSTANDING), Family(M.REPLICA_UP)
-        self._seen: dict[tuple, tuple[int, int]] = {}
+        self._seen: dict[tuple[str, str], tuple[int, int]] = {}  # (pool, address) -> counts
         self.interval_s = interval_s
         self._stop = threading.Event()
         if self.sets:

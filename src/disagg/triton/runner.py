@@ -4,17 +4,38 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from disagg.contracts import error_kind_of
 from disagg.errors import PoolError
 from disagg.triton.bls import CallerWatch, ack_response, failure_response, is_bls_caller
 from disagg.triton.pb import FINAL, requested_outputs
 
+if TYPE_CHECKING:
+    import triton_python_backend_utils as pb_utils
+
 _log = logging.getLogger("disagg.triton")
 
 
-class RequestRunner:
+class _Request(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+
+Req = TypeVar("Req", bound=_Request)  # what `parse` makes of a Triton request
+Reply = TypeVar("Reply")  # what `run` emits and returns
+Reply_contra = TypeVar("Reply_contra", contravariant=True)
+
+
+class Respond(Protocol[Reply_contra]):
+    def __call__(
+        self, reply: Reply_contra, requested: frozenset[str] = ...
+    ) -> pb_utils.InferenceResponse: ...
+
+
+class RequestRunner(Generic[Req, Reply]):
     """How a BLS entry model (orchestrator, router) serves its requests on a thread pool.
 
     Decoupled: each request is parsed at once (a bad one is answered with its error) and
@@ -27,10 +48,10 @@ class RequestRunner:
         self,
         decoupled: bool,
         max_concurrency: int,
-        parse,
-        run,
-        respond,
-        on_error=None,
+        parse: Callable[[pb_utils.InferenceRequest], Req],
+        run: Callable[[Req, Callable[[Reply], None], Callable[[], bool]], Reply],
+        respond: Respond[Reply],
+        on_error: Callable[[str], None] | None = None,
         batched: bool = True,
     ) -> None:
         self.decoupled = decoupled
@@ -40,7 +61,9 @@ class RequestRunner:
         self.pid = os.getpid()
         self.workers = ThreadPoolExecutor(max_concurrency, "requests")
 
-    def execute(self, requests):
+    def execute(
+        self, requests: Iterable[pb_utils.InferenceRequest]
+    ) -> list[pb_utils.InferenceResponse] | None:
         if not self.decoupled:
             return list(self.workers.map(self._run_sync, requests))
         for request in requests:
@@ -63,18 +86,23 @@ class RequestRunner:
             )
         return None
 
-    def _run_sync(self, request):
+    def _run_sync(self, request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponse:
         try:
             return self.respond(self.run(self.parse(request), lambda reply: None, lambda: False))
         except Exception as e:
             return self._error_response(e)
 
     def _run_streaming(
-        self, req, sender, to_bls: bool = False, caller=None, requested=frozenset()
+        self,
+        req: Req,
+        sender: pb_utils.InferenceResponseSender,
+        to_bls: bool = False,
+        caller: CallerWatch | None = None,
+        requested: frozenset[str] = frozenset(),
     ) -> None:
         caller = caller or CallerWatch(0)
 
-        def emit(reply) -> None:
+        def emit(reply: Reply) -> None:
             if caller.gone():  # stop here: the responses would pile up for a dead process
                 raise PoolError(f"the caller (pid {caller.pid}) died")
             sender.send(self.respond(reply, requested))
@@ -94,7 +122,9 @@ class RequestRunner:
             except Exception:
                 _log.exception("request %s: could not report the failure", req.request_id)
 
-    def _error_response(self, exc: Exception, as_outputs: bool = False):
+    def _error_response(
+        self, exc: Exception, as_outputs: bool = False
+    ) -> pb_utils.InferenceResponse:
         if self.on_error is not None:
             self.on_error(error_kind_of(exc))
         return failure_response(exc, as_outputs, self.batched)

@@ -1,0 +1,209 @@
+"""The orchestrator's calls of its pools, declared once for both callers (over BLS in one
+server: triton/pools.py; over gRPC across servers: remote/pools.py) and for the pool models
+that answer them (triton/prefill_side.py, triton/decode_side.py):
+
+    PrefillCall -> prefill -> PrefillResponse (a Handoff: first token + KV payload bytes)
+    DecodeCall (a Handoff, or prompt ids) -> decode -> DecodeStepResponse, one per step
+
+The pools have no batch dimension (max_batch_size 0). Sampling parameters travel as one
+JSON string, the KV cache as the bytes of a KVPayload (or a kvnet reference to pull).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagg import contracts as C
+from disagg.codec.tensors import FAILURE, Array, Arrays, Tensors, TensorSpec, required
+from disagg.contracts import DecodeStep, Handoff
+from disagg.engine.sequence import SamplingParams
+from disagg.errors import KVPayloadError, RequestError
+
+_SAMPLING = TensorSpec(C.SAMPLING, np.object_)  # BYTES [1]: JSON of SamplingParams
+_FIRST_TOKEN = TensorSpec(C.FIRST_TOKEN, np.int32)
+_RESOLVED_SEED = TensorSpec(C.RESOLVED_SEED, np.uint64)
+_KV_PAYLOAD = TensorSpec(C.KV_PAYLOAD, np.uint8, (-1,))  # KVPayload.to_bytes(), or a KVRef
+_WORKER_PID = TensorSpec(C.WORKER_PID, np.int32)  # the process that answered
+
+
+def _first_int(arrays: Mapping[str, Array], name: str) -> int:
+    return int(required(arrays, name)[0])
+
+
+# ------------------------------------------------------------------ prefill
+
+
+class PrefillCall:
+    """orchestrator -> prefill: the prompt and how to sample its first token."""
+
+    TENSORS = Tensors((TensorSpec(C.PROMPT_IDS, np.int32, (-1,)), _SAMPLING))
+
+    @staticmethod
+    def encode(prompt_ids: list[int], params: SamplingParams) -> Arrays:
+        values = {C.PROMPT_IDS: prompt_ids, C.SAMPLING: C.sampling_to_json(params)}
+        return PrefillCall.TENSORS.encode(values)
+
+    @staticmethod
+    def decode(arrays: Mapping[str, Array]) -> tuple[list[int], SamplingParams]:
+        f = PrefillCall.TENSORS.read(arrays, batched=False)
+        return f.get(C.PROMPT_IDS, []), C.sampling_from_json(f.get(C.SAMPLING, "{}"))
+
+
+class PrefillResponse:
+    """prefill -> orchestrator: a Handoff, the KV payload still as bytes."""
+
+    TENSORS = Tensors(
+        (
+            _FIRST_TOKEN,
+            _RESOLVED_SEED,
+            _KV_PAYLOAD,
+            _WORKER_PID,
+            TensorSpec(C.PREFILL_TIME_US, np.int64),  # compute only
+            TensorSpec(C.PREFILL_START_NS, np.int64),  # wall clock when compute began
+        )
+    )
+
+    @staticmethod
+    def encode(
+        first_token: int, seed: int, kv_payload: Array, pid: int, compute_us: int, start_ns: int
+    ) -> Arrays:
+        values = {
+            C.FIRST_TOKEN: first_token,
+            C.RESOLVED_SEED: seed,
+            C.KV_PAYLOAD: kv_payload,
+            C.WORKER_PID: pid,
+            C.PREFILL_TIME_US: compute_us,
+            C.PREFILL_START_NS: start_ns,
+        }
+        return PrefillResponse.TENSORS.encode(values)
+
+    @staticmethod
+    def decode(arrays: Mapping[str, Array]) -> Handoff:
+        return Handoff(
+            first_token=_first_int(arrays, C.FIRST_TOKEN),
+            seed=_first_int(arrays, C.RESOLVED_SEED),
+            kv_payload=required(arrays, C.KV_PAYLOAD),
+            worker_pid=_first_int(arrays, C.WORKER_PID),
+            prefill_time_s=_first_int(arrays, C.PREFILL_TIME_US) / 1e6,
+            start_wall_s=_first_int(arrays, C.PREFILL_START_NS) / 1e9,
+        )
+
+
+# ------------------------------------------------------------------ decode
+
+
+@dataclass(frozen=True)
+class DecodeInput:
+    """What the decode model is asked: go on from a prefill's hand-off, or prefill the prompt
+    itself (the co-located mode, and the fallback when the prefill pool failed)."""
+
+    params: SamplingParams
+    prompt_ids: list[int] | None  # set: no hand-off, decode prefills these
+    first_token: int = 0
+    seed: int = 0
+    kv_payload: Array | None = None  # uint8 [n]: the payload's bytes, or a KVRef to pull
+
+
+class DecodeCall:
+    """orchestrator -> decode: the sampling parameters, and a Handoff or the prompt ids."""
+
+    TENSORS = Tensors(
+        (
+            _SAMPLING,
+            TensorSpec(C.PROMPT_IDS, np.int32, (-1,), optional=True),
+            TensorSpec(C.FIRST_TOKEN, np.int32, optional=True),
+            TensorSpec(C.RESOLVED_SEED, np.uint64, optional=True),
+            TensorSpec(C.KV_PAYLOAD, np.uint8, (-1,), optional=True),
+        )
+    )
+    _VALUES = TENSORS.without(Tensors((_KV_PAYLOAD,)))  # read as values; the payload is not
+
+    @staticmethod
+    def encode(
+        params: SamplingParams,
+        handoff: Handoff | None = None,
+        prompt_ids: list[int] | None = None,
+    ) -> Arrays:
+        values: dict[str, object] = {C.SAMPLING: C.sampling_to_json(params)}
+        if handoff is not None:
+            values |= {
+                C.FIRST_TOKEN: handoff.first_token,
+                C.RESOLVED_SEED: handoff.seed,
+                C.KV_PAYLOAD: handoff.kv_payload,
+            }
+        else:
+            values[C.PROMPT_IDS] = prompt_ids or []
+        return DecodeCall.TENSORS.encode(values)
+
+    @staticmethod
+    def decode(arrays: Mapping[str, Array]) -> DecodeInput:
+        f = DecodeCall._VALUES.read(arrays, batched=False)
+        params = C.sampling_from_json(f.get(C.SAMPLING, "{}"))
+        payload = arrays.get(C.KV_PAYLOAD)
+        if payload is None:
+            if C.PROMPT_IDS not in f:
+                raise RequestError(f"give {C.KV_PAYLOAD} (with {C.FIRST_TOKEN}) or {C.PROMPT_IDS}")
+            return DecodeInput(params, f[C.PROMPT_IDS])
+        if C.FIRST_TOKEN not in f or C.RESOLVED_SEED not in f:
+            raise KVPayloadError(f"{C.KV_PAYLOAD} needs {C.FIRST_TOKEN} and {C.RESOLVED_SEED}")
+        return DecodeInput(params, None, f[C.FIRST_TOKEN], f[C.RESOLVED_SEED], payload.reshape(-1))
+
+
+class DecodeStepResponse:
+    """decode -> orchestrator, once per step: the new tokens (none in the first response, the
+    acknowledgement), the finish reason on the last, and, to a caller that asks, the decode
+    engine's load; a failure after the first response as outputs."""
+
+    _LOAD = TensorSpec(C.DECODE_LOAD, np.int32, (4,))  # running, waiting, free slots, free KV
+    TENSORS = (
+        Tensors(
+            (
+                TensorSpec(C.TOKEN_IDS, np.int32, (-1,)),
+                TensorSpec(C.FINISH_REASON, np.object_),
+                _WORKER_PID,
+                _LOAD,
+            )
+        )
+        + FAILURE
+    )
+
+    @staticmethod
+    def requested(with_load: bool) -> list[str]:
+        """What a caller asks for; the load costs decode a look at its engine, so only a
+        caller choosing among replicas asks for it."""
+        names = DecodeStepResponse.TENSORS.names
+        return [n for n in names if with_load or n != C.DECODE_LOAD]
+
+    @staticmethod
+    def encode(
+        token_ids: list[int],
+        finish_reason: str | None,
+        pid: int,
+        load: tuple[int, ...] | None = None,
+    ) -> Arrays:
+        values: dict[str, object] = {
+            C.TOKEN_IDS: token_ids,
+            C.FINISH_REASON: finish_reason or "",
+            C.WORKER_PID: pid,
+        }
+        if load is not None:
+            values[C.DECODE_LOAD] = list(load)
+        return DecodeStepResponse.TENSORS.encode(values)
+
+    @staticmethod
+    def decode(arrays: Mapping[str, Array]) -> DecodeStep:
+        reason = required(arrays, C.FINISH_REASON)[0].decode()
+        return DecodeStep(
+            token_ids=[int(t) for t in required(arrays, C.TOKEN_IDS)],
+            finish_reason=reason or None,
+            worker_pid=_first_int(arrays, C.WORKER_PID),
+        )
+
+    @staticmethod
+    def load(arrays: Mapping[str, Array]) -> tuple[int, ...] | None:
+        """(running, waiting, free slots, free KV tokens), when the response carries it."""
+        load = arrays.get(C.DECODE_LOAD)
+        return None if load is None else tuple(int(x) for x in load.reshape(-1)[:4])

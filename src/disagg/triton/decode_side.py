@@ -1,0 +1,84 @@
+"""The decode model's side of the decode pool's contract (codec.pools: DecodeCall in,
+DecodeStepResponse out): reading the call, pulling the KV payload from the prefill server
+it names when decode runs on another server, and `SenderSink`, which sends each step. Only
+the decode model imports this (docs/architecture.md: a router never loads decode code)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import triton_python_backend_utils as pb_utils
+
+from disagg import contracts as C
+from disagg import kvnet
+from disagg.codec.pools import DecodeCall, DecodeStepResponse
+from disagg.codec.tensors import Array
+from disagg.engine.sequence import SamplingParams
+from disagg.errors import PoolError
+from disagg.kvnet import KVRef
+from disagg.pipeline.local import prefill_result
+from disagg.triton.bls import CallerWatch, failure_response
+from disagg.triton.pb import FINAL, input_arrays, tensors
+
+if TYPE_CHECKING:
+    from disagg.engine.llm_engine import PrefillResult
+
+
+def resolve_kv_reference(data: bytes | memoryview, timeout_s: float = 30.0) -> Any:
+    """A payload's bytes: `data` itself, or pulled from the prefill server it names."""
+    ref = KVRef.parse(data)
+    if ref is None:
+        return data
+    return kvnet.pull(ref, C.internal_token(), timeout_s).data
+
+
+def read_decode_call(
+    request: pb_utils.InferenceRequest, request_id: str
+) -> tuple[SamplingParams, PrefillResult | None, list[int] | None]:
+    """The decode model's view of an orchestrator request: (sampling parameters, the
+    PrefillResult of its hand-off or None, the prompt ids to prefill or None)."""
+    call = DecodeCall.decode(input_arrays(request, DecodeCall.TENSORS.names))
+    if call.kv_payload is None:
+        return call.params, None, call.prompt_ids
+    payload: Array = call.kv_payload
+    data = payload.tobytes() if not payload.flags.c_contiguous else payload.data
+    data = resolve_kv_reference(data)  # decode on another server than its prefill
+    return call.params, prefill_result(request_id, call.first_token, call.seed, data), None
+
+
+class SenderSink:
+    """Decode output of one request, sent through its Triton response sender."""
+
+    def __init__(
+        self,
+        sender: pb_utils.InferenceResponseSender,
+        pid: int,
+        to_bls: bool = False,
+        caller: CallerWatch | None = None,
+        load: Callable[[], tuple[int, int, int, int]] | None = None,
+    ) -> None:
+        self.sender = sender
+        self.pid = pid
+        self.to_bls = to_bls  # failures as outputs (contracts.py): the caller is a BLS stream
+        self.caller = caller or CallerWatch(0)
+        self.load = load  # () -> (running, waiting, free slots, free KV tokens), if asked for
+        self.num_sent = 0
+
+    def send(self, token_ids: list[int], finish_reason: str | None) -> None:
+        if self.caller.gone():  # DecodeService then finishes the request
+            raise PoolError(f"the caller (pid {self.caller.pid}) died")
+        load = None if self.load is None else self.load()
+        arrays = DecodeStepResponse.encode(token_ids, finish_reason, self.pid, load)
+        response = pb_utils.InferenceResponse(output_tensors=tensors(arrays))
+        self.sender.send(response, flags=FINAL if finish_reason is not None else 0)
+        self.num_sent += 1
+
+    def fail(self, error: Exception) -> None:
+        """The final response of a failed request (errors after a first response to a BLS
+        caller travel as outputs)."""
+        as_outputs = self.to_bls and self.num_sent > 0
+        self.sender.send(failure_response(error, as_outputs), flags=FINAL)
+
+    def is_cancelled(self) -> bool:
+        return bool(self.caller.gone() or self.sender.is_cancelled())

@@ -1,0 +1,64 @@
+"""The prefill model's side of the prefill pool's contract (codec.pools: PrefillCall in,
+PrefillResponse out), and `KVLeaseServer`, which keeps payloads for decode servers elsewhere
+to pull. Only the prefill model imports this."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from disagg import contracts as C
+from disagg import kvnet
+from disagg.codec.pools import PrefillCall, PrefillResponse
+from disagg.codec.tensors import Array
+from disagg.engine.sequence import SamplingParams
+from disagg.kvnet import KVLeases, KVRef, KVServer
+from disagg.triton.pb import input_arrays, tensors
+
+if TYPE_CHECKING:
+    from disagg.model_params import PrefillParams
+
+
+def read_prefill_call(request: pb_utils.InferenceRequest) -> tuple[list[int], SamplingParams]:
+    """(prompt ids, sampling parameters) of an orchestrator's prefill call."""
+    return PrefillCall.decode(input_arrays(request, PrefillCall.TENSORS.names))
+
+
+def prefill_response(
+    result: Any, payload: Array, pid: int, compute_us: int, start_ns: int
+) -> pb_utils.InferenceResponse:
+    """The prefill model's answer to a prefill call: `result` a PrefillResult (or
+    TensorRT-LLM's), `payload` the KV payload's bytes (or a KVRef to them)."""
+    arrays = PrefillResponse.encode(
+        result.first_token, result.seed, payload, pid, compute_us, start_ns
+    )
+    return pb_utils.InferenceResponse(tensors(arrays))
+
+
+class KVLeaseServer:
+    """A prefill process's payloads for decode servers elsewhere: leased, served on a TCP
+    port, answered with a reference (kvnet.py)."""
+
+    def __init__(self, server: KVServer, advertise: str) -> None:
+        self.server = server
+        self.advertise = advertise
+
+    @classmethod
+    def start(cls, p: PrefillParams, args: dict[str, Any]) -> KVLeaseServer:
+        # instance i of the pool takes kv_port + i (0: any free port, named in the reference)
+        tail = str(args.get("model_instance_name", "")).rsplit("_", 1)[-1]  # prefill_0_<i>
+        index = int(tail) if tail.isdigit() else 0
+        port = p.kv_port + index if p.kv_port else 0
+        leases = KVLeases(capacity_bytes=p.kv_lease_mb << 20, ttl_s=p.kv_lease_s)
+        server = KVServer(leases, C.internal_token(), p.host, port).start()
+        return cls(server, server.address(p.advertise_host or kvnet.advertise_host(p.host)))
+
+    def lease(self, payload: Array) -> Array:
+        handle = self.server.leases.put(payload)
+        ref = KVRef(self.advertise, handle, payload.nbytes)
+        return np.frombuffer(ref.to_bytes(), np.uint8)
+
+    def close(self) -> None:
+        self.server.close()
