@@ -53,8 +53,10 @@ test: engine
 test-unit: venv
 	$(PY) -m pytest -q -m unit tests/unit $(PYTEST_ARGS)
 
+# ruff on everything; mypy strict on src/disagg (pyproject.toml [tool.mypy])
 lint: venv
 	$(VENV)/bin/ruff check src tests build_engines benchmarks client model_repository
+	$(VENV)/bin/mypy
 
 bench: engine
 	$(PY) benchmarks/engine_bench.py --engine-dir $(ENGINE_DIR)

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in DELEGATED:
         module = importlib.import_module(DELEGATED[argv[0]][0])
-        return module.main(argv[1:])
+        code: int = module.main(argv[1:])
+        return code
     p = argparse.ArgumentParser(
         prog="disagg", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

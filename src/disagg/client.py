@@ -10,12 +10,19 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from disagg import contracts as C
+from disagg.codec.generate import CLIENT_OUTPUTS, RouterReply, client_inputs
+from disagg.codec.tensors import scalar, triton_dtype
+
+if TYPE_CHECKING:  # (tritonclient has no types: these are Any to mypy, names to readers)
+    from tritonclient.grpc import InferInput, InferResult
+    from tritonclient.utils import InferenceServerException
 
 
 class GenerateError(Exception):
@@ -35,7 +42,7 @@ class Result:
     num_output_tokens: int = 0
     ttft_s: float = 0.0  # request sent -> first text
     total_s: float = 0.0
-    extra: dict = field(default_factory=dict)  # other outputs of the final response
+    extra: dict[str, Any] = field(default_factory=dict)  # other outputs of the final response
 
     @property
     def tokens_per_s(self) -> float:
@@ -46,7 +53,9 @@ class Result:
         return (self.num_output_tokens - 1) / span if span > 0 else 0.0
 
 
-def _absorb(result: Result, out: dict, start: float, on_delta: Callable[[str], None] | None):
+def _absorb(
+    result: Result, out: Mapping[str, Any], start: float, on_delta: Callable[[str], None] | None
+) -> None:
     text = out.get(C.TEXT_OUTPUT, "")
     if isinstance(text, list):
         text = text[0] if text else ""
@@ -75,7 +84,7 @@ class HttpClient:
     def generate(
         self,
         model: str,
-        inputs: dict,
+        inputs: Mapping[str, Any],
         stream: bool = False,
         on_delta: Callable[[str], None] | None = None,
     ) -> Result:
@@ -111,50 +120,30 @@ class HttpClient:
         return result
 
 
-_GRPC_TYPES = {
-    str: ("BYTES", np.object_),
-    bool: ("BOOL", np.bool_),
-    int: ("INT32", np.int32),
-    float: ("FP32", np.float32),
-}
-_UINT64_INPUTS = {C.SEED}
-
-
-def grpc_inputs(inputs: dict):
+def grpc_inputs(inputs: Mapping[str, Any]) -> list[InferInput]:
+    """Inputs of an entry model (router, ensemble, orchestrator) as tritonclient inputs, each
+    with its declared dtype (codec.generate.client_inputs)."""
     import tritonclient.grpc as grpcclient
 
     out = []
-    for name, value in inputs.items():
-        values = value if isinstance(value, list) else [value]
-        dtype, np_dtype = _GRPC_TYPES[type(values[0])]
-        if name in _UINT64_INPUTS:
-            dtype, np_dtype = "UINT64", np.uint64
-        arr = np.array([values], dtype=np_dtype)
-        if np_dtype is np.object_:
-            arr = np.array([[v.encode("utf-8") for v in values]], dtype=np.object_)
-        t = grpcclient.InferInput(name, list(arr.shape), dtype)
+    for name, arr in client_inputs(inputs).items():
+        t = grpcclient.InferInput(name, list(arr.shape), triton_dtype(arr.dtype))
         t.set_data_from_numpy(arr)
         out.append(t)
     return out
 
 
-def output_value(result, name: str) -> str | int | None:
+def output_value(result: InferResult, name: str) -> str | int | None:
     """One scalar output of a tritonclient result (text decoded), or None when absent."""
-    arr = result.as_numpy(name)
-    if arr is None:
-        return None
-    flat = arr.reshape(-1)
-    if flat.dtype == np.object_:
-        return flat[0].decode("utf-8") if flat.size else ""
-    return int(flat[0])
+    return scalar(result.as_numpy(name))
 
 
 class GrpcClient:
     """Bidirectional gRPC streaming with tritonclient (the decoupled `ensemble`)."""
 
-    OUTPUTS = C.CLIENT_OUTPUTS
+    OUTPUTS = CLIENT_OUTPUTS.names
     # what the router adds to its final response; kept in Result.extra when present
-    EXTRA_OUTPUTS = C.ROUTER_EXTRAS
+    EXTRA_OUTPUTS = RouterReply.EXTRAS.names
 
     def __init__(self, url: str = "127.0.0.1:8001", timeout_s: float = 300.0) -> None:
         import tritonclient.grpc as grpcclient
@@ -165,7 +154,7 @@ class GrpcClient:
     def generate(
         self,
         model: str,
-        inputs: dict,
+        inputs: Mapping[str, Any],
         stream: bool = True,
         on_delta: Callable[[str], None] | None = None,
         cancel_after_deltas: int | None = None,
@@ -173,7 +162,7 @@ class GrpcClient:
     ) -> Result:
         """The stream is cancelled after `cancel_after_deltas` deltas, or at the first response
         after `cancel` is set (a caller stopping a stream it no longer wants)."""
-        events: queue.Queue = queue.Queue()
+        events: queue.Queue[tuple[InferResult, InferenceServerException | None]] = queue.Queue()
         self.client.start_stream(callback=lambda result, error: events.put((result, error)))
         result, start = Result(), time.perf_counter()
         try:

@@ -8,6 +8,7 @@ served_by, reasons, error kinds), never request ids.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
@@ -32,7 +33,9 @@ class Metric:
     buckets: tuple[float, ...] = ()
 
 
-def _m(name, kind, help_, labels=(), buckets=()) -> Metric:
+def _m(
+    name: str, kind: str, help_: str, labels: Iterable[str] = (), buckets: Iterable[float] = ()
+) -> Metric:
     return Metric(name, kind, help_, tuple(labels), tuple(float(b) for b in buckets))
 
 

@@ -18,12 +18,16 @@ import ipaddress
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from disagg.contracts import CONDITIONAL, DISAGGREGATED, MODES
-from disagg.engine.config import EngineConfig
 from disagg.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("all", "frontend", "prefill", "decode")
@@ -224,9 +228,11 @@ class ServeSettings:
         return p if p.is_absolute() else (ROOT / p)
 
     @classmethod
-    def load(cls, toml_path: str | Path | None = None, env: dict | None = None) -> ServeSettings:
+    def load(
+        cls, toml_path: str | Path | None = None, env: Mapping[str, str] | None = None
+    ) -> ServeSettings:
         env = os.environ if env is None else env
-        values: dict = {}
+        values: dict[str, Any] = {}  # name -> value, of that setting's type once coerced
         if toml_path:
             try:
                 values.update(_flatten_groups(tomllib.loads(Path(toml_path).read_text())))
@@ -241,7 +247,7 @@ class ServeSettings:
             if raw is not None:
                 values[name] = raw
         for name, value in list(values.items()):
-            values[name] = _coerce(name, known[name].type, value)
+            values[name] = _coerce(name, str(known[name].type), value)
         return replace(cls(), **values)
 
 
@@ -278,9 +284,9 @@ def _groups() -> dict[str, tuple[str, ...]]:
 GROUPS = _groups()
 
 
-def _flatten_groups(values: dict) -> dict:
+def _flatten_groups(values: dict[str, object]) -> dict[str, object]:
     """TOML tables named by a group hold that group's settings."""
-    flat = {}
+    flat: dict[str, object] = {}
     for key, value in values.items():
         if isinstance(value, dict) and key in GROUPS:
             stray = sorted(set(value) - set(GROUPS[key]))
@@ -292,7 +298,7 @@ def _flatten_groups(values: dict) -> dict:
     return flat
 
 
-def _coerce(name: str, type_name: str, value):
+def _coerce(name: str, type_name: str, value: object) -> Setting:
     if type_name == "bool":
         if isinstance(value, bool):
             return value
@@ -303,6 +309,10 @@ def _coerce(name: str, type_name: str, value):
             return False
         raise ConfigError(f"setting {name}: expected true or false, got {value!r}")
     try:
+        if type_name == "str":
+            return str(value)
+        if not isinstance(value, str | int | float):  # e.g. a TOML list
+            raise TypeError(type(value).__name__)
         if type_name == "int":
             if isinstance(value, bool):
                 raise ValueError("a boolean")
@@ -340,7 +350,9 @@ MODEL_ONLY_PARAMETERS = {
     "decode_model": "str",
     "kv_pull": "bool",  # ServeSettings.kv_pull
 }
-_SETTING_TYPES = {f.name: f.type for f in fields(ServeSettings)}
+_SETTING_TYPES = {f.name: str(f.type) for f in fields(ServeSettings)}
+Setting = str | int | float | bool  # a setting's value, of the type its field names
+Params = TypeVar("Params", bound="DataclassInstance")
 
 
 class ModelParams:
@@ -356,7 +368,7 @@ class ModelParams:
         self._model = model
         self._values = {k: _coerce(k, types[k], v) for k, v in raw.items()}
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Setting:
         if name.startswith("_"):
             raise AttributeError(name)
         try:
@@ -366,19 +378,10 @@ class ModelParams:
                 f"{self._model}: its config.pbtxt has no parameter {name!r}"
             ) from None
 
-    def get(self, name: str, default=None):
+    def get(self, name: str, default: Setting | None = None) -> Setting | None:
         return self._values.get(name, default)
 
-    def engine_config(self, pool: str) -> EngineConfig:
-        """The EngineConfig of a `pool` ("prefill", "decode", or "orchestrator": limits only).
-        Decode's KV cache is touched at start: steady-state speed from the first request."""
-        extra = {}
-        if pool == "decode":
-            extra = {
-                "max_num_seqs": self.decode_max_num_seqs,
-                "prefault_kv": True,
-                "prefill_chunk_tokens": self.decode_prefill_chunk,
-            }
-        return EngineConfig(
-            max_model_len=self.max_model_len, max_tokens_limit=self.max_tokens_limit, **extra
-        )
+    def typed(self, cls: type[Params]) -> Params:
+        """`cls` (a model's dataclass in model_params.py) filled with the parameters its
+        fields name: read at once in initialize, so one the config lacks fails the load."""
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})

@@ -94,7 +94,12 @@ def _ms(x: float) -> str:
     return "    -" if math.isnan(x) else f"{x * 1e3:5.0f}"
 
 
-def render(before: list[Sample], now: list[Sample], seconds: float, gateway=None) -> str:
+def render(
+    before: list[Sample],
+    now: list[Sample],
+    seconds: float,
+    gateway: tuple[list[Sample], list[Sample]] | None = None,  # its (before, now)
+) -> str:
     """One frame: what changed between two scrapes `seconds` apart."""
     lines = [time.strftime("disagg status  %H:%M:%S") + f"   (last {seconds:.0f} s)", ""]
     lines.append("pools           queued  executions/s")
@@ -214,9 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"\nscrape failed: {e}; retrying", file=sys.stderr)
             continue
-        frame = render(
-            before, now, time.monotonic() - start, (gw_before, gw_now) if gw_url else None
-        )
+        gateway = None if gw_before is None or gw_now is None else (gw_before, gw_now)
+        frame = render(before, now, time.monotonic() - start, gateway)
         if args.once:
             print(frame)
             return 0

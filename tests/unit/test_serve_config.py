@@ -7,6 +7,13 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from disagg.errors import ConfigError
+from disagg.model_params import (
+    DecodeParams,
+    OrchestratorParams,
+    PrefillParams,
+    RouterParams,
+    TokenizerParams,
+)
 from disagg.serve.render import render_config, render_repositories
 from disagg.settings import ServeSettings, template_values
 
@@ -195,11 +202,42 @@ def test_model_parameters_are_typed_and_named_as_settings(rendered):
             if default is not None:
                 assert type(getattr(params, key)) is type(default), (name, key)
     decode = ModelParams({k: v.string_value for k, v in rendered["decode"].parameters.items()})
-    assert decode.engine_config("decode").max_num_seqs == ServeSettings().decode_max_num_seqs
+    config = decode.typed(DecodeParams).engine_config()
+    assert config.max_num_seqs == ServeSettings().decode_max_num_seqs
     with pytest.raises(ConfigError, match="name no setting"):
         ModelParams({"max_num_seqs": "4"}, "decode")
     with pytest.raises(ConfigError, match="has no parameter 'mode'"):
         _ = decode.mode
+
+
+MODEL_PARAMS = {
+    "tokenizer": TokenizerParams,
+    "prefill": PrefillParams,
+    "decode": DecodeParams,
+    "orchestrator": OrchestratorParams,
+    "orchestrator_sync": OrchestratorParams,
+    "router": RouterParams,
+    "router_sync": RouterParams,
+}
+
+
+def test_each_model_reads_its_whole_config_into_its_typed_params(rendered):
+    """Each model's dataclass (model_params.py) names exactly the parameters its config.pbtxt
+    carries, each of the type ModelParams parses it into: initialize reads them all."""
+    from dataclasses import fields
+
+    from disagg.settings import ModelParams
+
+    with_params = {name for name, cfg in rendered.items() if cfg.parameters}
+    assert with_params == set(MODEL_PARAMS)
+    for name, cls in MODEL_PARAMS.items():
+        raw = {k: v.string_value for k, v in rendered[name].parameters.items()}
+        assert {f.name for f in fields(cls)} == set(raw), name
+        typed = ModelParams(raw, name).typed(cls)
+        for f in fields(cls):
+            assert type(getattr(typed, f.name)).__name__ == f.type, (name, f.name)
+    with pytest.raises(ConfigError, match="prefill: its config.pbtxt has no parameter"):
+        ModelParams({"engine_dir": "/e"}, "prefill").typed(PrefillParams)
 
 
 def test_settings_come_in_groups_and_a_toml_table_per_group(tmp_path):

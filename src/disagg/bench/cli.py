@@ -17,13 +17,24 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from disagg import contracts as C
 from disagg.bench import report as R
 from disagg.bench import workloads as W
-from disagg.bench.sweep import SweepConfig, run_sweep
+from disagg.bench.sweep import Sweep, SweepConfig, run_sweep
+
+if TYPE_CHECKING:
+    from disagg.bench.runner import Target
+    from disagg.serve.server import TritonServer
+    from disagg.settings import ServeSettings
+
+# `serve(base, name, out_dir)`: the server (or topology frontend) named `name`, ready
+Serve = Callable[["ServeSettings", str, Path], AbstractContextManager["TritonServer"]]
 
 MODES = (C.COLOCATED, C.DISAGGREGATED, C.CONDITIONAL)  # the order benchmarks run them
 # offered rates per workload for SmolLM2-135M on 2 CPU cores: from well under capacity to past it
@@ -50,7 +61,7 @@ def _prompts(engine_dir: str, seed: int) -> W.PromptMaker:
     return W.PromptMaker(Tokenizer(engine_dir), seed)
 
 
-def _target_factory(args):
+def _target_factory(args: argparse.Namespace) -> Callable[[], Target]:
     from disagg.bench.runner import GatewayTarget, TritonTarget
 
     if args.target == "gateway":
@@ -59,7 +70,7 @@ def _target_factory(args):
     return lambda: TritonTarget(args.url, args.model)
 
 
-def cmd_run(args) -> int:
+def cmd_run(args: argparse.Namespace) -> int:
     cfg = SweepConfig(
         args.workload, _rates(args.rates, args.workload), args.num_requests, args.warmup,
         seed=args.seed,
@@ -81,7 +92,7 @@ def cmd_run(args) -> int:
 
 
 @contextlib.contextmanager
-def _mode_server(base, mode: str, out_dir: Path):
+def _mode_server(base: ServeSettings, mode: str, out_dir: Path) -> Iterator[TritonServer]:
     """One server in serving mode `mode`, ready, stopped afterwards."""
     from disagg.serve.server import TritonServer, free_ports
 
@@ -99,7 +110,7 @@ def _mode_server(base, mode: str, out_dir: Path):
         server.stop()
 
 
-def sweep_each(args, serve, what: str) -> None:
+def sweep_each(args: argparse.Namespace, serve: Serve, what: str) -> None:
     """For each workload and each name in args.modes: `serve(base, name, out_dir)` (a context
     manager) gives the server requests go to; one sweep against it, saved as
     <out_dir>/<workload>-<name>.json."""
@@ -123,19 +134,19 @@ def sweep_each(args, serve, what: str) -> None:
             (out_dir / f"{workload}-{name}.json").write_text(json.dumps(sweep))
 
 
-def cmd_compare(args) -> int:
+def cmd_compare(args: argparse.Namespace) -> int:
     sweep_each(args, _mode_server, "tritonserver")
     return cmd_report(args)
 
 
-def cmd_cluster(args) -> int:
+def cmd_cluster(args: argparse.Namespace) -> int:
     from disagg.bench import topology
 
     sweep_each(args, topology.serve, "the topology")
     return cmd_report(args, markers=(topology.DOC_BEGIN, topology.DOC_END), image_prefix="topology")
 
 
-def _server_counts(metrics_url: str) -> dict:
+def _server_counts(metrics_url: str) -> dict[str, float]:
     """What the server counted over the whole sweep: who prefilled, and the conditional
     mode's decisions by reason."""
     from disagg.status import scrape
@@ -153,12 +164,16 @@ def _server_counts(metrics_url: str) -> dict:
     return out
 
 
-def cmd_report(args, markers=(DOC_BEGIN, DOC_END), image_prefix: str = "modes") -> int:
+def cmd_report(
+    args: argparse.Namespace,
+    markers: tuple[str, str] = (DOC_BEGIN, DOC_END),
+    image_prefix: str = "modes",
+) -> int:
     out_dir, img_dir = Path(args.out_dir), Path(args.img_dir)
     img_dir.mkdir(parents=True, exist_ok=True)
     sections = []
     for workload in args.workloads.split(","):
-        sweeps = {}
+        sweeps: dict[str, Sweep] = {}
         for mode in args.modes.split(","):
             path = out_dir / f"{workload}-{mode}.json"
             if path.exists():
@@ -197,7 +212,9 @@ def cmd_report(args, markers=(DOC_BEGIN, DOC_END), image_prefix: str = "modes") 
     return 0
 
 
-def _write_doc(doc: Path, sections: list[str], command: str, markers=(DOC_BEGIN, DOC_END)):
+def _write_doc(
+    doc: Path, sections: list[str], command: str, markers: tuple[str, str] = (DOC_BEGIN, DOC_END)
+) -> None:
     begin, end = markers
     body = (
         f"{begin}\nTables and plots drawn {time.strftime('%Y-%m-%d %H:%M')} from the "
@@ -224,7 +241,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True)
 
-    def common(sp, many: bool) -> None:
+    def common(sp: argparse.ArgumentParser, many: bool) -> None:
         sp.add_argument("--engine-dir", default="engines/smollm2-135m-instruct")
         sp.add_argument("--num-requests", type=int, default=12, help="per rate, warm-up included")
         sp.add_argument("--warmup", type=int, default=2, help="requests left out, per rate")
@@ -278,4 +295,5 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     _ARGV[:] = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
-    return args.func(args)
+    code: int = args.func(args)
+    return code

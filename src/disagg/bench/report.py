@@ -8,24 +8,43 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
-from disagg.bench.stats import SLO, Timeline, calibrate_slo, goodput_rate, measured, summarize
+from disagg.bench.stats import (
+    SLO,
+    ClassSummary,
+    Timeline,
+    calibrate_slo,
+    goodput_rate,
+    measured,
+    summarize,
+)
+
+if TYPE_CHECKING:
+    from disagg.bench.sweep import Sweep
 
 TARGET_ATTAINMENT = 0.9
 
 
-def timelines(raw: list[dict]) -> list[Timeline]:
+class SweepSummary(TypedDict):
+    """A sweep's statistics (summarize_sweep), per class and for "all" requests."""
+
+    by_rate: dict[float, dict[str, ClassSummary]]  # offered rate -> class -> summary
+    goodput: dict[str, float]  # class -> the highest rate that meets the SLO target
+
+
+def timelines(raw: list[dict[str, Any]]) -> list[Timeline]:
     return [Timeline(**t) for t in raw]
 
 
-def classes_of(sweep: dict) -> list[str]:
+def classes_of(sweep: Sweep) -> list[str]:
     return sorted({t["cls"] for t in sweep["unloaded"]})
 
 
 def slos(
-    sweeps: list[dict],
+    sweeps: list[Sweep],
     ttft_factor: float,
     tpot_factor: float,
     overrides: dict[str, SLO] | None = None,
@@ -46,7 +65,7 @@ def slos(
     return out
 
 
-def summarize_sweep(sweep: dict, slo: dict[str, SLO]) -> dict:
+def summarize_sweep(sweep: Sweep, slo: dict[str, SLO]) -> SweepSummary:
     """{rate: {class or "all": ClassSummary}} and {class or "all": goodput rate}."""
     warmup = sweep["config"]["warmup"]
     by_rate = {}
@@ -75,7 +94,7 @@ def parse_slo_overrides(items: list[str]) -> dict[str, SLO]:
     return out
 
 
-def detail_table(results: dict[str, dict]) -> str:
+def detail_table(results: dict[str, SweepSummary]) -> str:
     """Every statistic: per mode, rate and class, mean / p50 / p90 / p99 in ms."""
     head = (
         "| mode | rate | class | n | TTFT mean/p50/p90/p99 | TPOT mean/p50/p90/p99 "
@@ -97,7 +116,7 @@ def detail_table(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summary_json(results: dict[str, dict], slo: dict[str, SLO]) -> dict:
+def summary_json(results: dict[str, SweepSummary], slo: dict[str, SLO]) -> dict[str, Any]:
     return {
         "slo": {c: {"ttft_s": v.ttft_s, "tpot_s": v.tpot_s} for c, v in slo.items()},
         "modes": {
@@ -113,11 +132,11 @@ def summary_json(results: dict[str, dict], slo: dict[str, SLO]) -> dict:
     }
 
 
-def _ms(x: float) -> str:
+def _ms(x: float | None) -> str:
     return "-" if x is None or math.isnan(x) else f"{x * 1e3:.0f}"
 
 
-def markdown_table(workload: str, results: dict[str, dict], slo: dict[str, SLO]) -> str:
+def markdown_table(workload: str, results: dict[str, SweepSummary], slo: dict[str, SLO]) -> str:
     """One row per mode and class: attainment at each rate, latency at the highest rate."""
     modes = list(results)
     rates = sorted(results[modes[0]]["by_rate"])
@@ -151,7 +170,11 @@ def markdown_table(workload: str, results: dict[str, dict], slo: dict[str, SLO])
 
 
 def plot_workload(
-    workload: str, sweeps: dict[str, dict], results: dict[str, dict], slo, path: Path
+    workload: str,
+    sweeps: dict[str, Sweep],
+    results: dict[str, SweepSummary],
+    slo: dict[str, SLO],
+    path: Path,
 ) -> None:
     """Four panels: SLO attainment vs offered rate, TTFT and TPOT CDFs at the highest rate,
     and a TTFT/TPOT scatter (each point a request) with the SLO box."""
@@ -159,6 +182,7 @@ def plot_workload(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     fig, ax = plt.subplots(1, 5, figsize=(22, 4.2))
     top = max(float(r) for r in next(iter(sweeps.values()))["rates"])
@@ -192,7 +216,7 @@ def plot_workload(
         ax[1].axvline(s.ttft_s * 1e3, color="grey", ls=":", lw=1)
         ax[2].axvline(s.tpot_s * 1e3, color="grey", ls=":", lw=1)
         ax[3].add_patch(
-            plt.Rectangle((1, 0), s.ttft_s * 1e3, s.tpot_s * 1e3, fill=False, ls=":", ec="grey")
+            Rectangle((1, 0), s.ttft_s * 1e3, s.tpot_s * 1e3, fill=False, ls=":", ec="grey")
         )
     from matplotlib.ticker import NullFormatter
 
@@ -207,5 +231,5 @@ def plot_workload(
     plt.close(fig)
 
 
-def _key(sweep: dict, rate: float) -> str:
-    return next(k for k in sweep["rates"] if float(k) == rate)
+def _key(sweep: Sweep, rate: float) -> str:
+    return next(str(k) for k in sweep["rates"] if float(k) == rate)

@@ -14,6 +14,7 @@ meeting it; goodput is the highest offered rate whose attainment is >= the targe
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -100,7 +101,7 @@ class ClassSummary:
     slo_attainment: float | None = None  # with an SLO
     goodput_requests_per_s: float | None = None  # SLO-meeting requests per second
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 

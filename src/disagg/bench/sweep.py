@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import Any, Never
 
 from tqdm import tqdm
 
 from disagg.bench import workloads as W
 from disagg.bench.runner import Progress, Target, run_one_at_a_time, run_open_loop
 from disagg.bench.stats import Timeline
+
+Sweep = dict[str, Any]  # JSON: config, label, unloaded (timelines), rates (rate -> timelines)
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,7 @@ class SweepConfig:
     seed: int = 0
 
 
-def _bar(total: int, desc: str) -> tuple[tqdm, Progress]:
+def _bar(total: int, desc: str) -> tuple[tqdm[Never], Progress]:  # (a bar over no iterable)
     bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=True, dynamic_ncols=True)
     errors = [0]
 
@@ -50,13 +54,13 @@ def calibration_specs(workload: W.Workload, per_class: int, seed: int) -> list[W
     return [replace(s, max_tokens=min(s.max_tokens, CALIBRATION_MAX_TOKENS)) for s in chosen]
 
 
-async def sweep(target: Target, cfg: SweepConfig, prompts: W.PromptMaker, label: str) -> dict:
+async def sweep(target: Target, cfg: SweepConfig, prompts: W.PromptMaker, label: str) -> Sweep:
     workload = W.WORKLOADS[cfg.workload]
 
     def prompt_for(spec: W.RequestSpec) -> str:
         return prompts.text(spec.prompt_tokens, spec.index)
 
-    out: dict = {"config": asdict(cfg), "label": label, "unloaded": [], "rates": {}}
+    out: Sweep = {"config": asdict(cfg), "label": label, "unloaded": [], "rates": {}}
     specs = calibration_specs(workload, cfg.calibration_per_class, cfg.seed)
     bar, progress = _bar(len(specs), f"{label} {cfg.workload} unloaded")
     with bar:
@@ -72,10 +76,12 @@ async def sweep(target: Target, cfg: SweepConfig, prompts: W.PromptMaker, label:
     return out
 
 
-def run_sweep(target_factory, cfg: SweepConfig, prompts: W.PromptMaker, label: str) -> dict:
+def run_sweep(
+    target_factory: Callable[[], Target], cfg: SweepConfig, prompts: W.PromptMaker, label: str
+) -> Sweep:
     """`target_factory()` makes the Target inside the sweep's event loop."""
 
-    async def main() -> dict:
+    async def main() -> Sweep:
         target = target_factory()
         try:
             return await sweep(target, cfg, prompts, label)

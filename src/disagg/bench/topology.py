@@ -17,10 +17,16 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from disagg.contracts import TOKEN_ENV
+
+if TYPE_CHECKING:
+    from disagg.serve.server import TritonServer
+    from disagg.settings import ServeSettings
 
 TOPOLOGIES = {
     "colocated": ("colocated", (("decode", "0"), ("decode", "1"))),
@@ -32,7 +38,7 @@ DOC_END = "<!-- topologies:end -->"
 
 
 @contextlib.contextmanager
-def serve(base, name: str, out_dir: Path):
+def serve(base: ServeSettings, name: str, out_dir: Path) -> Iterator[TritonServer]:
     """The servers of topology `name`, ready; yields the frontend, stops them all after."""
     from disagg.serve.server import TritonServer, free_ports
 

@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from disagg.engine.tokenizer import Tokenizer
+
+Hints = dict[str, float | str]  # routing hints: latency_sla_ms, task_type, priority
 
 
 @dataclass(frozen=True)
@@ -22,13 +29,14 @@ class Lengths:
     low: int = 1
     high: int = 1 << 20
 
-    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+    def draw(self, rng: np.random.Generator, n: int) -> npt.NDArray[np.int_]:
         if self.sigma == 0:
             values = np.full(n, float(self.mean))
         else:  # lognormal whose mean is `mean`
             mu = math.log(self.mean) - self.sigma**2 / 2
             values = rng.lognormal(mu, self.sigma, n)
-        return np.clip(np.rint(values), self.low, self.high).astype(int)
+        drawn: npt.NDArray[np.int_] = np.clip(np.rint(values), self.low, self.high).astype(int)
+        return drawn
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,7 @@ class RequestClass:
     weight: float  # share of the requests
     prompt: Lengths
     output: Lengths
-    hints: dict = field(default_factory=dict)  # routing hints sent with it (latency_sla_ms...)
+    hints: Hints = field(default_factory=dict)  # routing hints sent with it
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,7 @@ class RequestSpec:
     arrival_s: float  # offset from the start of the run
     prompt_tokens: int
     max_tokens: int
-    hints: dict
+    hints: Hints
 
 
 # Longest prompt + output the default server takes is 2048 tokens (max_model_len): the
@@ -152,7 +160,7 @@ class PromptMaker:
     encoded, cut to length and decoded (re-encoding a cut can differ by a token; the
     server's num_input_tokens is what the results record)."""
 
-    def __init__(self, tokenizer, seed: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer, seed: int = 0) -> None:
         self.tokenizer = tokenizer
         rng = np.random.default_rng(seed)
         words = rng.choice(WORDS, 4 * 4096)

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from disagg.doctor.system import System
 from disagg.settings import ServeSettings
@@ -94,12 +95,13 @@ def check_container_toolkit(s: ServeSettings, sys_: System) -> Result:
     )
 
 
-def _build_record(s: ServeSettings) -> dict:
+def _build_record(s: ServeSettings) -> dict[str, Any]:
     if not s.trtllm_decode_options:
         return {}
     path = s.path("trtllm_decode_options").parent / "build.json"
     try:
-        return json.loads(path.read_text())
+        record: dict[str, Any] = json.loads(path.read_text())
+        return record
     except (OSError, ValueError):
         return {}
 

@@ -10,8 +10,10 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from disagg.engine.checkpoint import GGUF_TO_HF_LAYER_NAMES, Checkpoint, Progress
 from disagg.engine.config import (
@@ -40,12 +42,12 @@ def read_checkpoint(source: str | Path, max_context: int) -> Checkpoint:
     raise ConfigError(f"{source}: expected a .gguf file or a Hugging Face checkpoint directory")
 
 
-def engine_is_current(engine_dir: str | Path, source: dict, max_context: int) -> bool:
+def engine_is_current(engine_dir: str | Path, source: dict[str, Any], max_context: int) -> bool:
     cfg = Path(engine_dir) / CONFIG_FILE
     if not cfg.is_file() or not (Path(engine_dir) / WEIGHTS_FILE).is_file():
         return False
-    data = json.loads(cfg.read_text())
-    return (
+    data: dict[str, Any] = json.loads(cfg.read_text())
+    return bool(
         data.get("format_version") == ENGINE_FORMAT_VERSION
         and data.get("source") == source
         and data.get("requested_max_context") == max_context
@@ -76,7 +78,7 @@ def build_engine(
     ckpt = read_checkpoint(source, max_context)
     if not force and engine_is_current(engine_dir, ckpt.source, max_context):
         return engine_dir, False
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, npt.NDArray[np.float32]] = {}
     for i, (name, w) in enumerate(ckpt.tensors(), 1):
         weights[name] = w
         if progress:

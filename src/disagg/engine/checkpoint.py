@@ -14,8 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from disagg.engine.config import ModelArgs
 from disagg.errors import ConfigError
@@ -60,12 +62,12 @@ class Checkpoint:
 
     args: ModelArgs
     num_tensors: int
-    tensors: Callable[[], Iterator[tuple[str, np.ndarray]]]  # (HF name, float32 array)
+    tensors: Callable[[], Iterator[tuple[str, npt.NDArray[np.float32]]]]  # (HF name, array)
     tokenizer_json: str  # serialized `tokenizers` tokenizer
-    tokenizer_config: dict  # chat_template, bos/eos/pad tokens, add_bos_token
-    source: dict  # what was read, to decide whether a rebuild is needed
+    tokenizer_config: dict[str, Any]  # chat_template, bos/eos/pad tokens, add_bos_token
+    source: dict[str, Any]  # what was read, to decide whether a rebuild is needed
 
 
-def file_identity(path: Path) -> dict:
+def file_identity(path: Path) -> dict[str, str | int]:
     st = path.stat()
     return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}

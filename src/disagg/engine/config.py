@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from disagg.errors import ConfigError
 
@@ -53,11 +54,11 @@ class ModelArgs:
         # K and V, every layer, every KV head: [2, L, H_kv, D] fp32
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * 4
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     @classmethod
-    def from_json(cls, data: dict) -> ModelArgs:
+    def from_json(cls, data: dict[str, Any]) -> ModelArgs:
         known = {f.name for f in fields(cls) if f.init}
         unknown = set(data) - known - {"format_version", "source", "requested_max_context"}
         if unknown:
@@ -122,5 +123,5 @@ class EngineConfig:
     def num_prefix_cache_blocks(self) -> int:
         return self.prefix_cache_tokens // self.block_size
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from disagg.engine.checkpoint import GGUF_TO_HF_LAYER_NAMES, Checkpoint, file_identity
 from disagg.engine.config import ModelArgs
 from disagg.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 
 def _gguf_to_hf_name(name: str) -> str:
@@ -25,14 +30,14 @@ def _gguf_to_hf_name(name: str) -> str:
     raise ConfigError(f"GGUF tensor {name!r} has no place in a Llama model")
 
 
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+def _unpermute_rope(w: npt.NDArray[np.float32], n_heads: int) -> npt.NDArray[np.float32]:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE pairs) back to HF's halves."""
     # w: [n_heads * head_dim, dim]; rows within a head go (pairs, 2) -> (2, pairs)
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_field(reader, key: str, default=None):
+def _gguf_field(reader: GGUFReader, key: str, default: object = None) -> Any:  # str, int, list
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
@@ -69,7 +74,7 @@ def read_gguf(path: str | Path, max_context: int) -> Checkpoint:
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
     )
 
-    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+    def tensors() -> Iterator[tuple[str, npt.NDArray[np.float32]]]:
         for t in reader.tensors:
             name = _gguf_to_hf_name(t.name)
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -94,7 +99,7 @@ def read_gguf(path: str | Path, max_context: int) -> Checkpoint:
 _GGUF_PRE_TOKENIZERS = {"smollm": True, "gpt2": False, "default": False, "llama-bpe": False}
 
 
-def _gguf_tokenizer(reader) -> tuple[str, dict]:
+def _gguf_tokenizer(reader: GGUFReader) -> tuple[str, dict[str, Any]]:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     kind = _gguf_field(reader, "tokenizer.ggml.model")
@@ -106,7 +111,9 @@ def _gguf_tokenizer(reader) -> tuple[str, dict]:
     merges = [tuple(m.split(" ", 1)) for m in _gguf_field(reader, "tokenizer.ggml.merges")]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    steps: list[pre_tokenizers.PreTokenizer] = [
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    ]
     if _GGUF_PRE_TOKENIZERS[pre]:
         steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from disagg.engine.checkpoint import Checkpoint, file_identity
 from disagg.engine.config import (
@@ -21,17 +23,17 @@ from disagg.engine.config import (
 from disagg.errors import ConfigError
 
 
-def _hf_config(path: Path) -> dict:
+def _hf_config(path: Path) -> dict[str, Any]:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ConfigError(f"{cfg_path} not found: not a Hugging Face checkpoint directory")
-    cfg = json.loads(cfg_path.read_text())
+    cfg: dict[str, Any] = json.loads(cfg_path.read_text())
     if cfg.get("model_type") != "llama":
         raise ConfigError(f"{path}: model_type {cfg.get('model_type')!r} is not supported")
     return cfg
 
 
-def _hf_args(cfg: dict, path: Path, max_context: int) -> ModelArgs:
+def _hf_args(cfg: dict[str, Any], path: Path, max_context: int) -> ModelArgs:
     n_heads = cfg["num_attention_heads"]
     if cfg.get("head_dim", cfg["hidden_size"] // n_heads) != cfg["hidden_size"] // n_heads:
         raise ConfigError(f"{path}: head_dim != hidden_size / num_attention_heads")
@@ -49,7 +51,7 @@ def _hf_args(cfg: dict, path: Path, max_context: int) -> ModelArgs:
     )
 
 
-def _hf_tokenizer(path: Path) -> tuple[str, dict]:
+def _hf_tokenizer(path: Path) -> tuple[str, dict[str, Any]]:
     """tokenizer.json's text and our tokenizer config (template and special tokens)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if not (path / name).is_file():
@@ -89,7 +91,7 @@ def read_hf_dir(path: str | Path, max_context: int) -> Checkpoint:
         with safe_open(f, framework="numpy") as sf:
             with_names += [(f, k) for k in sf.keys()]  # noqa: SIM118 - safe_open has no __iter__
 
-    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+    def tensors() -> Iterator[tuple[str, npt.NDArray[np.float32]]]:
         import torch
 
         for f, key in with_names:

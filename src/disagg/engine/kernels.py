@@ -12,7 +12,10 @@ import torch.nn.functional as F
 
 from disagg.errors import ConfigError
 
-HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+HAS_ONEDNN = (
+    torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch: unannotated
+    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+)
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,8 @@ class Linear:
 
 
 def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return out  # (torch.ops are untyped)
 
 
 @functools.cache
@@ -40,7 +44,8 @@ def _one_row_differs(shape: tuple[int, int], dtype: torch.dtype) -> bool:
 
 
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), None)
+    return packed
 
 
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")

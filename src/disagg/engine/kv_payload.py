@@ -18,6 +18,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from disagg.engine.config import ModelArgs
 from disagg.errors import KVPayloadError
@@ -36,13 +37,15 @@ class KVPayload:
     num_kv_heads: int
     head_dim: int
     num_tokens: int  # prompt positions held
-    k: np.ndarray  # [L, H_kv, S, D]
-    v: np.ndarray  # [L, H_kv, S, D]
+    k: npt.NDArray[np.float32]  # [L, H_kv, S, D]
+    v: npt.NDArray[np.float32]  # [L, H_kv, S, D]
     dtype: str = "float32"
     layout_version: int = LAYOUT_VERSION
 
     @classmethod
-    def from_arrays(cls, args: ModelArgs, k: np.ndarray, v: np.ndarray) -> KVPayload:
+    def from_arrays(
+        cls, args: ModelArgs, k: npt.NDArray[np.float32], v: npt.NDArray[np.float32]
+    ) -> KVPayload:
         """k, v: [L, H_kv, S, D] float32, possibly strided views (`pack` gathers them)."""
         return cls(
             fingerprint=args.fingerprint,
@@ -58,7 +61,7 @@ class KVPayload:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def metadata(self) -> dict:
+    def metadata(self) -> dict[str, str | int]:
         return {
             "layout_version": self.layout_version,
             "layout": LAYOUT,
@@ -96,7 +99,7 @@ class KVPayload:
     def packed_size(self) -> int:
         return HEADER_SPACE + self.nbytes
 
-    def pack(self, out: np.ndarray | None = None) -> np.ndarray:
+    def pack(self, out: npt.NDArray[np.uint8] | None = None) -> npt.NDArray[np.uint8]:
         """The payload as a uint8 array, written into `out` (at least `packed_size()` bytes)
         if given. Returns a view of exactly the payload's bytes."""
         total = self.packed_size()
@@ -105,7 +108,7 @@ class KVPayload:
         body = buf[HEADER_SPACE:]
         body[:n].view(np.float32).reshape(self.k.shape)[...] = self.k
         body[n:].view(np.float32).reshape(self.v.shape)[...] = self.v
-        header = json.dumps({**self.metadata(), "crc32": zlib.crc32(body)}).encode()
+        header = json.dumps({**self.metadata(), "crc32": zlib.crc32(body.data)}).encode()
         room = HEADER_SPACE - 8
         if len(header) > room:
             raise KVPayloadError(f"KV payload header too long ({len(header)} bytes)")

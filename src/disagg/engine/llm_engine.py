@@ -170,6 +170,7 @@ class DecodeEngine:
             params.validate(self.model.args.vocab_size, self.config.max_tokens_limit)
             prompt_len, output, seed = prefill.kv.num_tokens, [prefill.first_token], prefill.seed
         else:  # validate_request checks the sampling parameters too
+            assert prompt_ids is not None  # (one of the two, checked above)
             validate_request(self.model.args, self.config, prompt_ids, params)
             prompt_len, output, seed = len(prompt_ids), [], resolve_seed(params)
         seq = Sequence(
@@ -250,11 +251,11 @@ class DecodeEngine:
         )
         self.num_steps += 1
         with self._lock:
-            done = dict(self.scheduler.postprocess(ready, new))
+            finished = dict(self.scheduler.postprocess(ready, new))
             for seq, token in zip(ready, new, strict=True):
-                reason = done.get(seq)
-                outputs.append(TokenOutput(seq.request_id, token, len(seq.output_ids) - 1, reason))
-            for seq, reason in done.items():
+                finish = finished.get(seq)
+                outputs.append(TokenOutput(seq.request_id, token, len(seq.output_ids) - 1, finish))
+            for seq, reason in finished.items():
                 self._finish(seq, reason, outputs, announced=True)
         return outputs
 
@@ -271,9 +272,10 @@ class DecodeEngine:
         decoding = len(self.scheduler.running) - len(prefilling)
         budget = self.config.prefill_chunk_tokens
         if decoding < len(prefilling):
-            budget = sum(s.prompt_len - s.prefill_pos for s in prefilling)
+            budget = sum(s.prompt_len - s.num_cached_tokens for s in prefilling)
         done: list[Sequence] = []
         for seq in prefilling:
+            assert seq.prefill_pos is not None  # (prefilling: it is)
             if budget <= 0:
                 break
             prompt = seq.prompt_ids

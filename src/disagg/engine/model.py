@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
@@ -105,7 +106,12 @@ class KVCacheSlots:
         self.max_slots = max_slots
         self.max_len = max_len
 
-    def write(self, slot: int, k: np.ndarray | torch.Tensor, v: np.ndarray | torch.Tensor) -> None:
+    def write(
+        self,
+        slot: int,
+        k: npt.NDArray[np.float32] | torch.Tensor,
+        v: npt.NDArray[np.float32] | torch.Tensor,
+    ) -> None:
         """Store a sequence's K/V ([L, H_kv, S, D]) at positions 0..S-1 of `slot`.
         On the CPU through numpy: a payload's arrays may be read-only views of received
         bytes. Elsewhere one host-to-device copy each (none for K/V already there)."""
@@ -185,14 +191,18 @@ class Llama:
 
     # ------------------------------------------------------------ shared pieces
 
-    def _qkv(self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(
+        self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [M, dim] -> q [M, H, D], k/v [M, H_kv, D], with RoPE applied to q and k."""
         a = self.args
         h = rms_norm(x, layer.attn_norm, a.norm_eps)
         qkv = linear(h, layer.wqkv)  # [M, (H + 2 H_kv) D]
-        qk, v = qkv.split([(a.n_heads + a.n_kv_heads) * a.head_dim, a.n_kv_heads * a.head_dim], -1)
+        sizes = [(a.n_heads + a.n_kv_heads) * a.head_dim, a.n_kv_heads * a.head_dim]
+        # (the ignores: torch leaves Tensor.split unannotated)
+        qk, v = qkv.split(sizes, -1)  # type: ignore[no-untyped-call]
         qk = apply_rope(qk.view(-1, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin)
-        q, k = qk.split([a.n_heads, a.n_kv_heads], dim=1)
+        q, k = qk.split([a.n_heads, a.n_kv_heads], dim=1)  # type: ignore[no-untyped-call]
         return q, k, v.view(-1, a.n_kv_heads, a.head_dim)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

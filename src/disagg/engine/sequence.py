@@ -12,6 +12,7 @@ from disagg.errors import RequestError
 
 if TYPE_CHECKING:
     from disagg.engine.config import EngineConfig, ModelArgs
+    from disagg.engine.kv_payload import KVPayload
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
@@ -97,7 +98,7 @@ class Sequence:
     slot: int = -1  # decode slot while RUNNING
     finish_reason: FinishReason | None = None
     # prefill output waiting to be written into the slot when the sequence is admitted
-    pending_kv: object | None = field(default=None, repr=False)
+    pending_kv: KVPayload | None = field(default=None, repr=False)
     arrival_s: float = field(default_factory=time.perf_counter)  # added to the engine
     # chunked prefill by decode itself: prompt positions already in the slot's KV cache
     # (None: the sequence came with its KV cache, or was prefilled whole)
@@ -119,7 +120,7 @@ class Sequence:
 
     @property
     def num_cached_tokens(self) -> int:
-        if self.prefilling:
+        if self.prefilling and self.prefill_pos is not None:  # (prefilling: it is)
             return self.prefill_pos
         return self.num_tokens - 1
 

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import uvicorn
@@ -24,7 +25,7 @@ from disagg.gateway.registry import Registry
 from disagg.settings import ServeSettings
 
 
-def _env_keys(env) -> str:
+def _env_keys(env: Mapping[str, str]) -> str:
     """DISAGG_API_KEYS, and the keys in the file DISAGG_API_KEYS_FILE names (a compose or
     Kubernetes secret: keys separated by commas or new lines)."""
     keys = env.get(KEYS_ENV, "")
@@ -37,7 +38,7 @@ def _env_keys(env) -> str:
     return keys
 
 
-def build_config(settings: ServeSettings, env=os.environ) -> GatewayConfig:
+def build_config(settings: ServeSettings, env: Mapping[str, str] = os.environ) -> GatewayConfig:
     keys = None
     if settings.gateway_auth:
         keys = KeyStore.load(_env_keys(env), settings.keys_file)

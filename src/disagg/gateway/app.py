@@ -11,6 +11,7 @@ Request plumbing (ids, safe body reading, error responses) is in http.py.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
@@ -73,7 +74,7 @@ def create_app(cfg: GatewayConfig) -> Starlette:
     admin = AdminRoutes(cfg.registry, cfg.admin_key)
 
     @contextlib.asynccontextmanager
-    async def lifespan(app):
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await cfg.backend.close()
 

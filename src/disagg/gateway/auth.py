@@ -62,16 +62,20 @@ class KeyStore:
         return None
 
 
+_Window = collections.deque[tuple[float, int]]
+
+
 class RateLimiter:
     """Sliding one-minute windows per key: requests when admitted, tokens when served."""
 
     def __init__(self, rpm: int, tpm: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.rpm, self.tpm, self.clock = rpm, tpm, clock
-        self.requests: dict[str, collections.deque] = collections.defaultdict(collections.deque)
-        self.tokens: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        # key -> (monotonic time, requests or tokens) within the last WINDOW_S
+        self.requests: dict[str, _Window] = collections.defaultdict(collections.deque)
+        self.tokens: dict[str, _Window] = collections.defaultdict(collections.deque)
         self.lock = threading.Lock()
 
-    def _trim(self, q: collections.deque, now: float) -> None:
+    def _trim(self, q: _Window, now: float) -> None:
         while q and q[0][0] <= now - WINDOW_S:
             q.popleft()
 

@@ -23,7 +23,7 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, dict[str, str | None]]:
         return {
             "error": {
                 "message": self.message,

@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from disagg import contracts as C
+from disagg.engine.sequence import FinishReason
 from disagg.gateway.errors import bad_request, unsupported
 
 MAX_STOP = 4
 INT32_MAX = 2**31 - 1
+JSON = dict[str, Any]  # a JSON object, as the client sent it or as we answer
 
 
 @dataclass
@@ -25,18 +28,18 @@ class GenRequest:
 
     kind: str  # "chat" | "completion"
     model: str
-    inputs: dict  # router inputs (tensor name -> value)
+    inputs: dict[str, object]  # router inputs (tensor name -> value)
     stream: bool = False
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False):
-    value = body.get(name)
+def _number(body: JSON, name: str, lo: float, hi: float, integer: bool = False) -> float | None:
+    value: object = body.get(name)
     if value is None:
         return None
-    ok_type = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok_type:
+    is_int = isinstance(value, int)
+    if isinstance(value, bool) or not isinstance(value, int | float) or (integer and not is_int):
         kind = "an integer" if integer else "a number"
         raise bad_request(f"'{name}' must be {kind}, got {value!r}", name)
     if not lo <= value <= hi:
@@ -44,7 +47,7 @@ def _number(body: dict, name: str, lo: float, hi: float, integer: bool = False):
     return value
 
 
-def _hints(body: dict, inputs: dict) -> None:
+def _hints(body: JSON, inputs: dict[str, object]) -> None:
     """disagg's routing hints (extensions to OpenAI's body), checked as strictly as the rest:
     the router's tensors are FP32 / INT32 / one string."""
     sla = _number(body, "latency_sla_ms", 0, 1e9)
@@ -60,7 +63,7 @@ def _hints(body: dict, inputs: dict) -> None:
         inputs[C.TASK_TYPE] = task_type
 
 
-def _refuse_unsupported(body: dict, kind: str) -> None:
+def _refuse_unsupported(body: JSON, kind: str) -> None:
     if body.get("n", 1) != 1:
         raise unsupported("n", "only n=1")
     if body.get("logprobs") not in (None, False, 0):
@@ -87,7 +90,7 @@ def _refuse_unsupported(body: dict, kind: str) -> None:
             raise unsupported("suffix")
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: JSON) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", "messages")
@@ -114,7 +117,7 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompt(body: dict) -> str:
+def _prompt(body: JSON) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -132,7 +135,7 @@ def parse_request(body: object, kind: str) -> GenRequest:
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required", "model")
     _refuse_unsupported(body, kind)
-    inputs: dict = {C.EXCLUDE_INPUT_IN_OUTPUT: True}
+    inputs: dict[str, object] = {C.EXCLUDE_INPUT_IN_OUTPUT: True}
     if kind == "chat":
         inputs[C.MESSAGES] = json.dumps(_messages(body))
     else:
@@ -181,10 +184,17 @@ def parse_request(body: object, kind: str) -> GenRequest:
 
 # ------------------------------------------------------------------ responses
 
-FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+# disagg's finish reasons -> OpenAI's (a cancelled request ends as "stop")
+FINISH: dict[str, str] = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "stop",
+}
 
 
-def _envelope(req: GenRequest, rid: str, fingerprint: str, obj: str, prefix: str, choice: dict):
+def _envelope(
+    req: GenRequest, rid: str, fingerprint: str, obj: str, prefix: str, choice: JSON
+) -> JSON:
     return {
         "id": prefix + rid,
         "object": obj,
@@ -195,13 +205,14 @@ def _envelope(req: GenRequest, rid: str, fingerprint: str, obj: str, prefix: str
     }
 
 
-def usage(n_in: int, n_out: int) -> dict:
+def usage(n_in: int, n_out: int) -> dict[str, int]:
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
 def full_response(
     req: GenRequest, rid: str, text: str, finish: str, n_in: int, n_out: int, fingerprint: str
-) -> dict:
+) -> JSON:
+    choice: JSON
     if req.kind == "chat":
         choice = {
             "index": 0,
@@ -228,9 +239,10 @@ def chunk(
     text: str | None = None,
     finish: str | None = None,
     role: bool = False,
-) -> dict:
+) -> JSON:
+    choice: JSON
     if req.kind == "chat":
-        delta: dict = {"role": "assistant", "content": ""} if role else {}
+        delta: dict[str, str] = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -243,13 +255,13 @@ def chunk(
     return _envelope(req, rid, fingerprint, obj, prefix, choice)
 
 
-def usage_chunk(req: GenRequest, rid: str, fingerprint: str, n_in: int, n_out: int) -> dict:
+def usage_chunk(req: GenRequest, rid: str, fingerprint: str, n_in: int, n_out: int) -> JSON:
     c = chunk(req, rid, fingerprint)
     c["choices"] = []
     c["usage"] = usage(n_in, n_out)
     return c
 
 
-def sse(obj) -> bytes:
+def sse(obj: str | JSON) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
     return f"data: {data}\n\n".encode()

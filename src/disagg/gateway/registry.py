@@ -22,6 +22,7 @@ import threading
 import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from disagg.errors import ConfigError
 from disagg.filewatch import FileWatch
@@ -47,7 +48,7 @@ class PublicModel:
     deprecated: str = ""  # replacement model name
 
 
-def _version(model: str, raw) -> Version:
+def _version(model: str, raw: object) -> Version:
     where = f"model {model!r}"
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         raise ConfigError(f"{where}: every version needs a name")
@@ -84,7 +85,7 @@ def _check_model(m: PublicModel) -> None:
         raise ConfigError(f"model {m.name!r}: needs a stable version")
 
 
-def parse_registry(data: dict, source: str) -> dict[str, PublicModel]:
+def parse_registry(data: dict[str, Any], source: str) -> dict[str, PublicModel]:
     models = {}
     try:
         for name, raw in data.get("models", {}).items():
@@ -180,8 +181,12 @@ class Registry:
             i = next((i for i, v in enumerate(versions) if v.name == version), None)
             if i is None:
                 raise APIError(404, f"model '{name}' has no version '{version}'")
-            changes = {k: v for k, v in (("state", state), ("weight", weight)) if v is not None}
-            versions[i] = replace(versions[i], **changes)
+            old = versions[i]
+            versions[i] = replace(
+                old,
+                state=old.state if state is None else state,
+                weight=old.weight if weight is None else weight,
+            )
             updated = replace(model, versions=tuple(versions))
             try:
                 _check_version(f"version {version!r}", versions[i])
@@ -204,7 +209,7 @@ class Registry:
             self.models = {**self.models, name: replace(model, versions=versions)}
             return rolled
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, dict[str, Any]]:
         with self.lock:
             return {
                 m.name: {"deprecated": m.deprecated}

@@ -6,16 +6,18 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import FrameType
 
 from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
 from disagg.serve.gateway_process import GatewayProcess
-from disagg.serve.server import TritonServer
+from disagg.serve.server import Endpoints, TritonServer
 from disagg.settings import ROLES, ServeSettings
 
 
@@ -42,6 +44,7 @@ def restart_triton(server: TritonServer, crashes_this_hour: int) -> bool:
     log, start it again. The gateway answers 503 meanwhile. Gives up after
     MAX_CRASHES_PER_HOUR."""
     kept = server.log_path.with_name(f"tritonserver.crash-{int(time.time())}.log")
+    assert server.proc is not None, "it ran"
     print(
         f"tritonserver exited ({server.proc.returncode}); log kept as {kept}:\n"
         f"{server.log_tail(15)}",
@@ -100,16 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         if "server" in locals():
             server.stop()
         return 2
-    e = server.endpoints
+    ep = server.endpoints
     if settings.role in ("prefill", "decode"):
-        print(f"disagg {settings.role} server: gRPC {e.grpc}, metrics {e.metrics}", flush=True)
+        print(f"disagg {settings.role} server: gRPC {ep.grpc}, metrics {ep.metrics}", flush=True)
     else:
-        print_banner(settings, gateway, e)
+        print_banner(settings, gateway, ep)
     _serve_banner_extras(settings, server, api_key)
     return supervise(settings, server, gateway)
 
 
-def _dtype(settings) -> str:
+def _dtype(settings: ServeSettings) -> str:
     if settings.compute_dtype != "auto" or settings.engine_backend != "pytorch":
         return settings.compute_dtype
     if settings.device != "cpu":
@@ -122,7 +125,7 @@ def _dtype(settings) -> str:
     return "auto: bfloat16" if native else "auto: float32"
 
 
-def print_banner(settings, gateway, e) -> None:
+def print_banner(settings: ServeSettings, gateway: GatewayProcess, e: Endpoints) -> None:
     mode, why = settings.resolved_mode()
     why = "" if why == "set" else f" ({why}; DISAGG_MODE= sets another)"
     print(f"""
@@ -147,7 +150,9 @@ Try:
 """)
 
 
-def _serve_banner_extras(settings, server, api_key) -> None:
+def _serve_banner_extras(
+    settings: ServeSettings, server: TritonServer, api_key: str | None
+) -> None:
     if api_key:
         print(
             f"API key for the gateway (shown once; only its hash is kept, in "
@@ -162,11 +167,16 @@ def _serve_banner_extras(settings, server, api_key) -> None:
     print("Ctrl-C to stop.", flush=True)
 
 
-def supervise(settings, server, gateway) -> int:
+def _exited(proc: subprocess.Popen[bytes] | None) -> bool:
+    assert proc is not None, "started before supervise"
+    return proc.poll() is not None
+
+
+def supervise(settings: ServeSettings, server: TritonServer, gateway: GatewayProcess) -> int:
     """Until Ctrl-C or SIGTERM: restart a gateway that exited, and tritonserver if it died."""
     stopping = False
 
-    def on_signal(signum, frame):
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
 
@@ -174,11 +184,11 @@ def supervise(settings, server, gateway) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     crashes: list[float] = []
     while not stopping:
-        if settings.gateway_enabled and gateway.proc.poll() is not None:  # stateless: restart
+        if settings.gateway_enabled and _exited(gateway.proc):  # stateless: restart
             print(f"gateway exited; restarting. Log:\n{gateway.log_tail()}", file=sys.stderr)
             gateway.stop()
             gateway.start()
-        if server.proc.poll() is not None:
+        if _exited(server.proc):
             crashes = [t for t in crashes if time.monotonic() - t < 3600] + [time.monotonic()]
             if not restart_triton(server, len(crashes)):
                 gateway.stop()

@@ -82,13 +82,13 @@ class Cluster:
     def __init__(self, nodes: list[Node], config: str | None = None) -> None:
         self.nodes = nodes
         self.config = config
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.secrets = {
             TOKEN_ENV: os.environ.get(TOKEN_ENV) or secrets.token_hex(16),
             ADMIN_KEY_ENV: os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24),
         }
 
-    def start(self, node: Node) -> subprocess.Popen:
+    def start(self, node: Node) -> subprocess.Popen[bytes]:
         log_dir = Path(node.env["DISAGG_BUILD_DIR"])
         log_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "disagg", "serve", "--role", node.role]
@@ -152,7 +152,7 @@ class Cluster:
 def _ready(http: str) -> bool:
     try:
         with urllib.request.urlopen(f"{http}/v2/health/ready", timeout=2) as r:
-            return r.status == 200
+            return bool(r.status == 200)
     except OSError:
         return False
 

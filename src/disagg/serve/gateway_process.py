@@ -28,7 +28,7 @@ class GatewayProcess:
         self.env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT / "src")] + ([self.env["PYTHONPATH"]] if self.env.get("PYTHONPATH") else [])
         )
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> GatewayProcess:
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
@@ -42,6 +42,7 @@ class GatewayProcess:
         return self
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
+        assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -76,7 +76,7 @@ def render_config(text: str, values: dict[str, str], where: str) -> str:
 FRONTEND_MODELS = frozenset({"tokenizer", "router", "orchestrator", "ensemble"})
 
 
-def role_models(role: str, prefill_replicas: str = "", decode_replicas: str = "") -> frozenset:
+def role_models(role: str, prefill_replicas: str = "", decode_replicas: str = "") -> frozenset[str]:
     """The models a server of `role` runs (their sync twins go with them). A frontend runs a
     pool itself unless that pool is given as replicas on other servers."""
     if role == "prefill":
@@ -92,7 +92,10 @@ def role_models(role: str, prefill_replicas: str = "", decode_replicas: str = ""
 
 
 def render_repositories(
-    values: dict[str, str], out_dir: Path, root: Path = ROOT, models: frozenset | None = None
+    values: dict[str, str],
+    out_dir: Path,
+    root: Path = ROOT,
+    models: frozenset[str] | None = None,
 ) -> list[Path]:
     """Returns the rendered repository folders, one per source folder, for --model-repository;
     with `models`, only those models (and their sync twins)."""

@@ -105,7 +105,7 @@ class TritonServer:
             grpc=f"{s.host}:{s.grpc_port}",
             metrics=f"http://{s.host}:{s.metrics_port}/metrics",
         )
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.supervisor: StubSupervisor | None = None
 
     def command(self, install: triton_install.TritonInstall, repos: list[Path]) -> list[str]:
@@ -172,20 +172,22 @@ class TritonServer:
     def _mask_admin_key(self) -> None:
         """The admin key is on tritonserver's command line (its only way in): overwrite it
         there once Triton has parsed it, so `ps` does not show it (see procargs.py)."""
+        proc = self.proc
+        assert proc is not None, "start() first"
         try:
             procargs.mask_when(
-                self.proc.pid,
+                proc.pid,
                 [self.admin_key],
-                is_parsed=lambda: self.proc.poll() is not None or self.log_path.stat().st_size > 0,
+                is_parsed=lambda: proc.poll() is not None or self.log_path.stat().st_size > 0,
             )
         except OSError as e:  # e.g. a kernel that forbids writing a child's memory
-            if self.proc.poll() is None:
+            if proc.poll() is None:
                 log.warning("could not hide the admin key from tritonserver's command line: %s", e)
 
     def is_ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.endpoints.http}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
+                return bool(r.status == 200)
         except (urllib.error.URLError, OSError):
             return False
 
@@ -199,6 +201,7 @@ class TritonServer:
                 )
             if self.is_ready():
                 if self.supervisor is None:
+                    assert self.proc is not None, "start() first"
                     self.supervisor = StubSupervisor(
                         self.proc.pid,
                         self.endpoints.http,
@@ -255,5 +258,5 @@ class TritonServer:
         self.wait_ready()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -58,7 +58,7 @@ def stub_processes(server_pid: int) -> dict[int, tuple[str, str]]:
     return stubs
 
 
-def stub_models(server_pid: int) -> Counter:
+def stub_models(server_pid: int) -> Counter[str]:
     """Model name -> live stub processes of the tritonserver with `server_pid`."""
     return Counter(model for model, _ in stub_processes(server_pid).values())
 
@@ -92,11 +92,12 @@ class StubSupervisor:
         self.interval_s = interval_s
         self.recover_timeout_s = recover_timeout_s
         self.on_wedged = on_wedged
-        self.expected: Counter = Counter()  # READY python models -> stubs their config asks for
+        # READY python models -> stubs their config asks for
+        self.expected: Counter[str] = Counter()
         self.recovering: dict[str, float] = {}  # model -> monotonic deadline of its reload
         self.num_restarts = 0
         self.wedged: str | None = None  # the model whose reload did not finish in time
-        self._short: Counter = Counter()  # checks in a row a model has been short of stubs
+        self._short: Counter[str] = Counter()  # checks in a row a model has been short of stubs
         self._regions: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="stub-supervisor", daemon=True)
@@ -157,7 +158,7 @@ class StubSupervisor:
             else:
                 self._short.pop(model, None)
 
-    def _check_recovering(self, live: Counter, now: float) -> None:
+    def _check_recovering(self, live: Counter[str], now: float) -> None:
         for model, deadline in list(self.recovering.items()):
             if live[model] >= self.expected[model] and model in self._ready_models():
                 del self.recovering[model]

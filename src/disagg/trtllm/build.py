@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -89,13 +90,13 @@ class BuildSpec:
         return self.out_dir / "disagg"
 
 
-def llm_api_options(spec: BuildSpec, role: str) -> dict:
+def llm_api_options(spec: BuildSpec, role: str) -> dict[str, Any]:
     pool = spec.pool(role)
-    kv_cache: dict = {"free_gpu_memory_fraction": spec.fraction(role)}
+    kv_cache: dict[str, float | int] = {"free_gpu_memory_fraction": spec.fraction(role)}
     if pool.host_cache_gb > 0:
         # blocks evicted from GPU memory stay reusable in host memory (secondary pool)
         kv_cache["host_cache_size"] = int(pool.host_cache_gb * 2**30)
-    options = {
+    options: dict[str, Any] = {
         "max_batch_size": pool.max_batch_size,
         "max_num_tokens": pool.max_num_tokens,
         "max_seq_len": spec.max_seq_len,
@@ -128,7 +129,7 @@ def in_checkout(path: Path) -> str:
         return str(path)
 
 
-def serve_settings(spec: BuildSpec) -> dict:
+def serve_settings(spec: BuildSpec) -> dict[str, str | float]:
     devices = {r: ",".join(map(str, spec.pool(r).devices)) for r in ("prefill", "decode")}
     return {
         "engine_backend": "tensorrt_llm",

@@ -18,13 +18,17 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagg.contracts import DecodeStats
 from disagg.engine.llm_engine import PrefillResult, TokenOutput, resolve_seed
 from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.errors import CapacityError, RequestError
 from disagg.trtllm.payload import TrtllmHandoff, params_to_dict
+
+if TYPE_CHECKING:  # (tensorrt_llm has no types: Any to mypy, names to readers)
+    import tensorrt_llm
+    from tensorrt_llm.llmapi import RequestOutput
 
 FINISH = {  # CompletionOutput.finish_reason (1.0: stop, length, timeout, cancelled)
     "stop": FinishReason.STOP,
@@ -50,7 +54,9 @@ class TrtllmApi:
         return cls(tensorrt_llm.LLM, tensorrt_llm.SamplingParams, DisaggregatedParams)
 
 
-def trt_sampling(api: TrtllmApi, params: SamplingParams, seed: int, max_tokens: int | None = None):
+def trt_sampling(
+    api: TrtllmApi, params: SamplingParams, seed: int, max_tokens: int | None = None
+) -> tensorrt_llm.SamplingParams:
     """Our sampling parameters in the LLM API's terms.
 
     Greedy is top_k=1: TensorRT-LLM 1.0 decides greedy from top_k/top_p alone
@@ -80,7 +86,7 @@ def trt_sampling(api: TrtllmApi, params: SamplingParams, seed: int, max_tokens: 
 
 
 class TrtllmPrefillEngine:
-    def __init__(self, llm, api: TrtllmApi, max_prompt_tokens: int) -> None:
+    def __init__(self, llm: tensorrt_llm.LLM, api: TrtllmApi, max_prompt_tokens: int) -> None:
         self.llm = llm
         self.api = api
         self.max_prompt_tokens = max_prompt_tokens
@@ -106,14 +112,19 @@ class TrtllmPrefillEngine:
         handoff = TrtllmHandoff(
             list(prompt_ids), seed, params_to_dict(completion.disaggregated_params)
         )
+        # kv None: the K/V moves through TensorRT-LLM's transceiver; `handoff` names it
         result = PrefillResult(
-            request_id, int(completion.token_ids[0]), None, seed, time.perf_counter() - start
+            request_id,
+            int(completion.token_ids[0]),
+            None,  # type: ignore[arg-type]  # (PrefillResult.kv types PyTorch's payload)
+            seed,
+            time.perf_counter() - start,
         )
         return result, handoff
 
 
 class TrtllmDecodeEngine:
-    def __init__(self, llm, api: TrtllmApi, max_num_seqs: int) -> None:
+    def __init__(self, llm: tensorrt_llm.LLM, api: TrtllmApi, max_num_seqs: int) -> None:
         self.llm = llm
         self.api = api
         self.max_num_seqs = max_num_seqs
@@ -140,7 +151,8 @@ class TrtllmDecodeEngine:
             if len(self._streams) >= self.max_num_seqs:
                 raise CapacityError(f"decode is full ({self.max_num_seqs} sequences)")
             if prefill is not None:
-                handoff: TrtllmHandoff = prefill.kv
+                # prefill_result (pipeline/local.py) put the TrtllmHandoff there
+                handoff: TrtllmHandoff = prefill.kv  # type: ignore[assignment]
                 fields = {**handoff.params, "request_type": "generation_only"}
                 result = self.llm.generate_async(
                     handoff.prompt_ids,
@@ -167,7 +179,7 @@ class TrtllmDecodeEngine:
             daemon=True,
         ).start()
 
-    def _pump(self, request_id: str, result, skip: int) -> None:
+    def _pump(self, request_id: str, result: RequestOutput, skip: int) -> None:
         """Cumulative streaming outputs -> one TokenOutput per new token (output index i, the
         first `skip` left out), then the finish."""
         seen = 0  # tokens of the cumulative output already handled

@@ -13,6 +13,7 @@ import base64
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from disagg.errors import KVPayloadError
 
@@ -23,10 +24,10 @@ MAGIC = b"DGTRT1"
 class TrtllmHandoff:
     prompt_ids: list[int]
     seed: int
-    params: dict  # DisaggregatedParams fields, as the library returned them
+    params: dict[str, Any]  # DisaggregatedParams fields, as the library returned them
 
 
-def params_to_dict(params) -> dict:
+def params_to_dict(params: object) -> dict[str, Any]:
     if dataclasses.is_dataclass(params):
         raw = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
     else:
@@ -34,7 +35,7 @@ def params_to_dict(params) -> dict:
     return {k: v for k, v in raw.items() if v is not None}
 
 
-def _encode(value):
+def _encode(value: object) -> object:
     if isinstance(value, bytes | bytearray):
         return {"b64": base64.b64encode(bytes(value)).decode()}
     if isinstance(value, list | tuple):
@@ -42,7 +43,7 @@ def _encode(value):
     return value
 
 
-def _decode(value):
+def _decode(value: object) -> object:
     if isinstance(value, dict) and set(value) == {"b64"}:
         return base64.b64decode(value["b64"])
     if isinstance(value, list):

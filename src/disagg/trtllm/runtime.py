@@ -15,17 +15,22 @@ import typing
 from pathlib import Path
 
 from disagg.errors import ConfigError
-from disagg.settings import ModelParams
+from disagg.model_params import TrtllmDecodeParams, TrtllmPrefillParams
 from disagg.trtllm.engines import TrtllmApi, TrtllmDecodeEngine, TrtllmPrefillEngine
 
+if typing.TYPE_CHECKING:
+    from tensorrt_llm import LLM
 
-def read_options(options_file: str) -> dict:
+Options = dict[str, typing.Any]  # LLM-API options, as YAML gives them
+
+
+def read_options(options_file: str) -> Options:
     import yaml
 
     if not options_file:
         return {}
     try:
-        options = yaml.safe_load(Path(options_file).read_text()) or {}
+        options: object = yaml.safe_load(Path(options_file).read_text()) or {}
     except OSError as e:
         raise ConfigError(f"TensorRT-LLM options {options_file}: {e}") from e
     if not isinstance(options, dict):
@@ -45,7 +50,7 @@ def transceiver_backends() -> tuple[str, ...]:
     return ()
 
 
-def spell_transceiver(options: dict, accepted: tuple[str, ...]) -> dict:
+def spell_transceiver(options: Options, accepted: tuple[str, ...]) -> Options:
     """`options` with cache_transceiver_config.backend in the case the library accepts."""
     cfg = options.get("cache_transceiver_config")
     if not isinstance(cfg, dict) or cfg.get("backend") is None or not accepted:
@@ -57,7 +62,7 @@ def spell_transceiver(options: dict, accepted: tuple[str, ...]) -> dict:
     return {**options, "cache_transceiver_config": {**cfg, "backend": match}}
 
 
-def check_devices(devices: str, options: dict, pool: str) -> None:
+def check_devices(devices: str, options: Options, pool: str) -> None:
     """A pool's parallelism must match the GPUs it is given."""
     if not devices:
         return
@@ -74,7 +79,7 @@ def check_devices(devices: str, options: dict, pool: str) -> None:
         )
 
 
-def check_token_budget(options: dict, max_model_len: int, pool: str) -> None:
+def check_token_budget(options: Options, max_model_len: int, pool: str) -> None:
     """TensorRT-LLM refuses a prompt over max_num_tokens (unless generation-only or chunked
     prefill is on): each pool must fit the longest prompt it may prefill itself."""
     limit = options.get("max_num_tokens")
@@ -85,7 +90,9 @@ def check_token_budget(options: dict, max_model_len: int, pool: str) -> None:
         )
 
 
-def load_llm(model: str, options_file: str, devices: str, pool: str, max_model_len: int):
+def load_llm(
+    model: str, options_file: str, devices: str, pool: str, max_model_len: int
+) -> tuple[LLM, TrtllmApi]:
     if not model:
         raise ConfigError(f"engine_backend tensorrt_llm needs trtllm_{pool}_model (a checkpoint)")
     options = read_options(options_file)
@@ -98,7 +105,7 @@ def load_llm(model: str, options_file: str, devices: str, pool: str, max_model_l
     return api.LLM(model=model, **options), api
 
 
-def prefill_engine(p: ModelParams) -> TrtllmPrefillEngine:
+def prefill_engine(p: TrtllmPrefillParams) -> TrtllmPrefillEngine:
     llm, api = load_llm(
         p.trtllm_prefill_model,
         p.trtllm_prefill_options,
@@ -109,7 +116,7 @@ def prefill_engine(p: ModelParams) -> TrtllmPrefillEngine:
     return TrtllmPrefillEngine(llm, api, max_prompt_tokens=p.max_model_len - 1)
 
 
-def decode_engine(p: ModelParams) -> TrtllmDecodeEngine:
+def decode_engine(p: TrtllmDecodeParams) -> TrtllmDecodeEngine:
     llm, api = load_llm(
         p.trtllm_decode_model,
         p.trtllm_decode_options,

@@ -1,0 +1,116 @@
+"""What each Triton model reads from its config.pbtxt, typed: one frozen dataclass per model,
+each field named as the parameter (and the setting it comes from) and of that setting's type.
+A model's initialize fills its dataclass at once with `ModelParams.typed`, so a parameter its
+config lacks fails the load, not the first request that would have read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagg.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class TokenizerParams:
+    engine_dir: str
+
+
+@dataclass(frozen=True)
+class TrtllmPrefillParams:
+    """What TensorRT-LLM's prefill engine is built from (trtllm/runtime.py)."""
+
+    trtllm_prefill_model: str
+    trtllm_prefill_options: str
+    trtllm_prefill_devices: str
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class PrefillParams(TrtllmPrefillParams):
+    engine_backend: str
+    engine_dir: str
+    compute_dtype: str
+    device: str
+    max_tokens_limit: int
+    prefill_torch_threads: int
+    # payloads leased for decode servers elsewhere to pull (triton/pools.py KVLeaseServer)
+    kv_pull: bool
+    host: str
+    advertise_host: str
+    kv_port: int
+    kv_lease_s: float
+    kv_lease_mb: int
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            max_model_len=self.max_model_len, max_tokens_limit=self.max_tokens_limit
+        )
+
+
+@dataclass(frozen=True)
+class TrtllmDecodeParams:
+    """What TensorRT-LLM's decode engine is built from (trtllm/runtime.py)."""
+
+    trtllm_decode_model: str
+    trtllm_decode_options: str
+    trtllm_decode_devices: str
+    max_model_len: int
+    decode_max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class DecodeParams(TrtllmDecodeParams):
+    engine_backend: str
+    engine_dir: str
+    compute_dtype: str
+    device: str
+    max_tokens_limit: int
+    decode_prefill_chunk: int
+    decode_stream_interval: int
+    decode_torch_threads: int
+    run_dir: str
+
+    def engine_config(self) -> EngineConfig:
+        """Decode's KV cache is touched at start: steady-state speed from the first request."""
+        return EngineConfig(
+            max_model_len=self.max_model_len,
+            max_tokens_limit=self.max_tokens_limit,
+            max_num_seqs=self.decode_max_num_seqs,
+            prefault_kv=True,
+            prefill_chunk_tokens=self.decode_prefill_chunk,
+        )
+
+
+@dataclass(frozen=True)
+class OrchestratorParams:
+    engine_dir: str
+    max_model_len: int
+    max_tokens_limit: int
+    max_tokens_default: int
+    run_dir: str
+    prefill_model: str  # the pools' model names in this server
+    decode_model: str
+    prefill_replicas: str  # or the pools on other servers
+    decode_replicas: str
+    prefill_timeout_s: float
+    mode: str
+    conditional_remote_stall: float
+    prefill_instances: int
+    orchestrator_max_concurrency: int
+    migration_limit: int
+
+    def engine_config(self) -> EngineConfig:
+        """Limits only: the orchestrator checks requests against them, it runs no engine."""
+        return EngineConfig(
+            max_model_len=self.max_model_len, max_tokens_limit=self.max_tokens_limit
+        )
+
+
+@dataclass(frozen=True)
+class RouterParams:
+    engine_dir: str
+    router_policy: str
+    served_model_name: str
+    max_tokens_default: int
+    run_dir: str
+    orchestrator_max_concurrency: int
