@@ -32,8 +32,10 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from disagg.errors import KVPayloadError
 
@@ -85,7 +87,7 @@ class KVLeases:
     def __init__(self, capacity_bytes: int = 2 << 30, ttl_s: float = 30.0) -> None:
         self.capacity_bytes = capacity_bytes
         self.ttl_s = ttl_s
-        self._held: dict[str, tuple[np.ndarray, float]] = {}
+        self._held: dict[str, tuple[NDArray[Any], float]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
         self.expired = 0  # leases that ran out (a decode that died, a client that left)
@@ -97,7 +99,7 @@ class KVLeases:
     def __len__(self) -> int:
         return len(self._held)
 
-    def put(self, payload: np.ndarray | bytes | memoryview) -> str:
+    def put(self, payload: NDArray[Any] | bytes | memoryview) -> str:
         """Copy `payload` (the caller reuses its buffer) and return its handle."""
         data = np.frombuffer(payload, np.uint8) if not isinstance(payload, np.ndarray) else payload
         self.expire()
@@ -112,7 +114,7 @@ class KVLeases:
             self._bytes += data.nbytes
         return handle
 
-    def take(self, handle: str) -> np.ndarray | None:
+    def take(self, handle: str) -> NDArray[Any] | None:
         with self._lock:
             entry = self._held.pop(handle, None)
             if entry is not None:
@@ -189,7 +191,7 @@ class KVServer:
                     conn.sendall(_REPLY.pack(UNKNOWN, 0))
                     return
                 conn.sendall(_REPLY.pack(OK, data.nbytes))
-                view = memoryview(data)
+                view = data.data  # memoryview(data), which numpy 1.26's stubs do not type
                 for i in range(0, data.nbytes, CHUNK):
                     conn.sendall(view[i : i + CHUNK])
                 self.pulled_bytes += data.nbytes
@@ -236,16 +238,18 @@ def _request(ref: KVRef, verb: bytes, token: str, timeout_s: float) -> tuple[soc
     return conn, length
 
 
-def pull(ref: KVRef, token: str, timeout_s: float = 30.0, out: np.ndarray | None = None):
+def pull(
+    ref: KVRef, token: str, timeout_s: float = 30.0, out: NDArray[np.uint8] | None = None
+) -> NDArray[np.uint8]:
     """The payload's bytes (a uint8 array, in `out` when it is large enough)."""
     conn, length = _request(ref, b"PULL", token, timeout_s)
     with conn:
         if length != ref.nbytes:
             raise KVPayloadError(f"KV server sent {length} bytes, the reference says {ref.nbytes}")
         fits = out is not None and out.nbytes >= length
-        buf = out[:length] if fits else np.empty(length, np.uint8)
+        buf = out[:length] if out is not None and fits else np.empty(length, np.uint8)
         try:
-            _recv_into(conn, memoryview(buf))
+            _recv_into(conn, buf.data)  # memoryview(buf), as typed (see _handle)
         except OSError as e:
             raise KVPayloadError(f"KV transfer from {ref.addr} failed: {e}") from e
     return buf

@@ -59,7 +59,7 @@ class LLM:
         self.tokenizer = Tokenizer(engine_dir)
         self.config = config or EngineConfig(max_model_len=self.model.args.max_context)
         self.prefill_engine = PrefillEngine(self.model, self.config)
-        eos = {self.tokenizer.eos_token_id} - {None}
+        eos = {t for t in (self.tokenizer.eos_token_id,) if t is not None}
         self.decode_engine = DecodeEngine(self.model, self.config, eos)
         self.service = DecodeService(self.decode_engine, on_stuck=_stuck).start()
         self.disaggregated = disaggregated
@@ -79,10 +79,12 @@ class LLM:
                 return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
         if prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
+            return [int(t) for t in prompt]  # type: ignore[arg-type]  # all ints, checked
+        return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]  # messages, by elimination
 
-    def _request(self, prompt: Prompt, params: SamplingParams, chat: bool, stream: bool):
+    def _request(
+        self, prompt: Prompt, params: SamplingParams, chat: bool, stream: bool
+    ) -> GenerateRequest:
         return GenerateRequest(
             request_id=new_request_id(),
             prompt_ids=self.encode(prompt, chat),
@@ -119,7 +121,7 @@ class LLM:
         """Text deltas of one request as they are produced. Closing the iterator early
         cancels the request in decode."""
         req = self._request(prompt, params, chat, stream=True)
-        deltas: queue.Queue = queue.Queue()
+        deltas: queue.Queue[str | BaseException | object] = queue.Queue()
         stop = threading.Event()
         done = object()
 
@@ -136,7 +138,7 @@ class LLM:
             while (item := deltas.get()) is not done:
                 if isinstance(item, BaseException):
                     raise item
-                if item:
+                if isinstance(item, str) and item:
                     yield item
         finally:
             stop.set()

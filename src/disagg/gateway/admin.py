@@ -29,13 +29,12 @@ class AdminRoutes:
         if not hmac.compare_digest(given.encode(), self.admin_key.encode()):
             raise APIError(401, f"admin API: wrong or missing '{ADMIN_HEADER}' header")
 
-    # (the ignores: answers_errors, in gateway/http.py, is not annotated yet)
-    @answers_errors  # type: ignore[untyped-decorator]
+    @answers_errors
     async def models(self, request: Request) -> Response:
         self.check(request)
         return JSONResponse(self.registry.state())
 
-    @answers_errors  # type: ignore[untyped-decorator]
+    @answers_errors
     async def version(self, request: Request) -> Response:
         self.check(request)
         body = await read_json(request, 4096)
@@ -46,7 +45,7 @@ class AdminRoutes:
         log.info("admin: %s version %s -> %s", p["model"], v.name, v)
         return JSONResponse(v.__dict__)
 
-    @answers_errors  # type: ignore[untyped-decorator]
+    @answers_errors
     async def rollback(self, request: Request) -> Response:
         self.check(request)
         rolled = self.registry.rollback(request.path_params["model"])

@@ -7,9 +7,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import ContentStream, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from disagg.contracts import REQUEST_ID_HEADER, client_request_id, new_request_id
 from disagg.gateway.errors import APIError, bad_request
@@ -99,22 +103,42 @@ class StreamCounted(StreamingResponse):
     (Starlette then never runs the body's finally: a client that left before the first byte
     leaked the in-flight gauge and left its request running)."""
 
-    def __init__(self, content, on_end, **kw) -> None:
-        super().__init__(content, **kw)
+    def __init__(
+        self,
+        content: ContentStream,
+        on_end: Callable[[], Awaitable[None]],
+        *,
+        status_code: int = 200,
+        headers: Mapping[str, str] | None = None,
+        media_type: str | None = None,
+        background: BackgroundTask | None = None,
+    ) -> None:
+        super().__init__(
+            content,
+            status_code=status_code,
+            headers=headers,
+            media_type=media_type,
+            background=background,
+        )
         self.on_end = on_end
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.on_end()
 
 
-def answers_errors(handler):
+Owner = TypeVar("Owner")  # the class whose method a route is
+
+
+def answers_errors(
+    handler: Callable[[Owner, Request], Awaitable[Response]],
+) -> Callable[[Owner, Request], Awaitable[Response]]:
     """A route whose APIErrors become their OpenAI-format response, with the request id."""
 
     @functools.wraps(handler)
-    async def route(self, request: Request) -> Response:
+    async def route(self: Owner, request: Request) -> Response:
         try:
             return await handler(self, request)
         except APIError as e:

@@ -18,7 +18,7 @@ import json
 import sys
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -195,7 +195,9 @@ class OpenAIEndpoint:
             return Unavailable.CIRCUIT_OPEN
         return None
 
-    def stream_chat(self, public_model: str, req: ChatRequest) -> Iterator[StreamEvent]:
+    def stream_chat(
+        self, public_model: str, req: ChatRequest
+    ) -> Generator[StreamEvent, None, None]:
         """Content deltas, then one event with the finish reason (and usage). Raises
         EndpointError; closing the generator early (a cancelled request) closes the call."""
         key = self.config.api_key() or ""

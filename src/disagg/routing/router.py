@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -94,8 +94,11 @@ class Endpoint(Protocol):
 
     def unavailable_reason(self, public_model: str, est_tokens: int) -> Unavailable | None: ...
 
-    def stream_chat(self, public_model: str, req: ChatRequest) -> Iterator[StreamEvent]:
-        """Raises EndpointError (with its kind) when the endpoint fails."""
+    def stream_chat(
+        self, public_model: str, req: ChatRequest
+    ) -> Generator[StreamEvent, None, None]:
+        """Raises EndpointError (with its kind) when the endpoint fails. A generator: the
+        router closes it however the request ends (closing it early ends the call)."""
         ...
 
 

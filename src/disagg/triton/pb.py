@@ -11,8 +11,10 @@ import json
 import logging
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as C
@@ -26,7 +28,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _log = logging.getLogger("disagg.triton")
 
 
-def model_parameters(args: dict) -> ModelParams:
+def model_parameters(args: dict[str, str]) -> ModelParams:
     """The `parameters` of a model's config.pbtxt, typed as the settings they come from."""
     config = json.loads(args["model_config"])
     raw = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -41,24 +43,26 @@ def set_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def is_decoupled(args: dict) -> bool:
+def is_decoupled(args: dict[str, str]) -> bool:
     return pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
 
 
 # ------------------------------------------------------------------ reading requests
 
 
-def input_array(request, name: str) -> np.ndarray | None:
+def input_array(request: pb_utils.InferenceRequest, name: str) -> codec.Array | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
 
 
-def input_arrays(request, names: Iterable[str]) -> codec.Arrays:
+def input_arrays(request: pb_utils.InferenceRequest, names: Iterable[str]) -> codec.Arrays:
     """The request's inputs among `names` (a codec message's), absent ones left out."""
     return codec.gather(lambda name: input_array(request, name), names)
 
 
-def read_fields(request, kinds: dict[str, str], batched: bool) -> dict:
+def read_fields(
+    request: pb_utils.InferenceRequest, kinds: dict[str, str], batched: bool
+) -> dict[str, Any]:
     """Present inputs among `kinds` ({name: "str" | "strs" | "int" | "float" | "bool" |
     "ints"}) as plain Python values (codec.tensors.read_fields). Absent optional inputs are
     simply left out."""
@@ -68,7 +72,9 @@ def read_fields(request, kinds: dict[str, str], batched: bool) -> dict:
 # ------------------------------------------------------------------ responses
 
 
-def tensor(name: str, value, dtype, batched: bool = False) -> pb_utils.Tensor:
+def tensor(
+    name: str, value: npt.ArrayLike, dtype: npt.DTypeLike, batched: bool = False
+) -> pb_utils.Tensor:
     arr = np.asarray(value, dtype=dtype)
     arr = arr.reshape(-1)
     return pb_utils.Tensor(name, arr[None, :] if batched else arr)
@@ -79,11 +85,13 @@ def tensors(arrays: codec.Arrays) -> list[pb_utils.Tensor]:
     return [pb_utils.Tensor(name, arr) for name, arr in arrays.items()]
 
 
-def requested_outputs(request) -> frozenset[str]:
+def requested_outputs(request: pb_utils.InferenceRequest) -> frozenset[str]:
     return frozenset(request.requested_output_names())
 
 
-def response(outputs: list, requested: frozenset[str] = frozenset()):
+def response(
+    outputs: list[pb_utils.Tensor], requested: frozenset[str] = frozenset()
+) -> pb_utils.InferenceResponse:
     """A response holding only the outputs the requester asked for (all when `requested` is
     empty). Triton 2.51's response sender drops the others itself, with the GIL released,
     and freeing their numpy arrays without the GIL corrupts CPython's allocator: the stub
@@ -101,7 +109,7 @@ def reply_response(
     return response(tensors(OrchestratorReply.encode(reply, batched)), requested)
 
 
-def error_code(exc: Exception):
+def error_code(exc: Exception) -> int:
     # looked up per call: the stub that auto-completes configs has no TritonError
     codes = pb_utils.TritonError
     kind = C.error_kind_of(exc)
@@ -117,23 +125,24 @@ def error_response(exc: Exception) -> pb_utils.InferenceResponse:
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code(exc)))
 
 
-def raise_for_error(response, what: str) -> None:
+def raise_for_error(response: pb_utils.InferenceResponse, what: str) -> None:
     """Every BLS sub-response is checked: a client error stays a client error, anything else
     becomes a PoolError the orchestrator can route around."""
     if not response.has_error():
         return
     err = response.error()
+    assert err is not None, "has_error() says there is one"
     if err.code() == pb_utils.TritonError.INVALID_ARG:
         raise RequestError(C.split_error(err.message())[1])
     raise PoolError(f"{what}: {err.message()}")
 
 
-def output_array(response, name: str) -> np.ndarray | None:
+def output_array(response: pb_utils.InferenceResponse, name: str) -> codec.Array | None:
     t = pb_utils.get_output_tensor_by_name(response, name)
     return None if t is None else t.as_numpy()
 
 
-def output_arrays(response, names: Iterable[str]) -> codec.Arrays:
+def output_arrays(response: pb_utils.InferenceResponse, names: Iterable[str]) -> codec.Arrays:
     """The response's outputs among `names` (a codec message's), absent ones left out."""
     return codec.gather(lambda name: output_array(response, name), names)
 
