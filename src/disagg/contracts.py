@@ -28,6 +28,7 @@ from disagg.errors import (
 
 if TYPE_CHECKING:
     import numpy as np
+import numpy.typing as npt
 
 # ------------------------------------------------------------------ client-facing (ensemble)
 TEXT_INPUT = "text_input"
@@ -47,6 +48,8 @@ EXCLUDE_INPUT_IN_OUTPUT = "exclude_input_in_output"
 RETURN_NUM_INPUT_TOKENS = "return_num_input_tokens"
 RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 IGNORE_EOS = "ignore_eos"  # BOOL: generate max_tokens tokens (vLLM's name; benchmarks use it)
+CACHE_SALT = "cache_salt"  # BYTES: the prefix cache's namespace for this request (vLLM's name)
+USE_PREFIX_CACHE = "use_prefix_cache"  # BOOL, default true: false neither reads nor writes it
 
 # router-only inputs: routing hints (all optional)
 MODEL = "model"  # public model name (the OpenAI `model`); routing rules may match on it
@@ -83,6 +86,9 @@ PREFILL_PID = "prefill_pid"  # INT32 [1]: orchestrator's final response (0: no p
 DECODE_PID = "decode_pid"  # INT32 [1]
 KV_BYTES = "kv_bytes"  # INT64 [1]: orchestrator's final response
 KV_HANDOFF_US = "kv_handoff_us"  # INT64 [1]
+# INT32 [1]: prompt tokens whose K/V came from a prefix cache (OpenAI usage cached_tokens);
+# on prefill's response, decode's first token, and the final reply of orchestrator and router
+NUM_CACHED_TOKENS = "num_cached_tokens"
 SERVED_BY = "served_by"  # BYTES [1]: "disaggregated" | "colocated" | "fallback" | endpoint
 # ------------------------------------------------------------------ router's final response
 ROUTE_TARGET = "route_target"  # BYTES [1]: the policy target that served the request
@@ -242,12 +248,13 @@ class Handoff:
 
     first_token: int
     seed: int
-    kv_payload: np.ndarray  # uint8 [n]: KVPayload.to_bytes()
+    kv_payload: npt.NDArray[np.uint8]  # [n]: KVPayload.to_bytes()
     worker_pid: int
     prefill_time_s: float  # compute only, as measured by the prefill worker
     start_wall_s: float = 0.0  # time.time() when its compute began (0: not reported)
     call_time_s: float = 0.0  # the whole prefill call, as the orchestrator saw it
     queue_s: float = 0.0  # sent -> compute began (same host's clock; 0 when not reported)
+    num_cached_tokens: int = 0  # leading prompt tokens the prefill pool's prefix cache gave
 
 
 @dataclass(frozen=True)
@@ -257,6 +264,7 @@ class DecodeStep:
     token_ids: list[int]
     finish_reason: str | None  # set on the last response
     worker_pid: int
+    num_cached_tokens: int = 0  # with the first token decode prefilled: its prefix cache's
 
 
 @dataclass(frozen=True)
@@ -286,6 +294,7 @@ class Reply:
     token_ids: list[int] = field(default_factory=list)
     kv_bytes: int = 0  # size of the KV payload handed from prefill to decode
     kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
+    num_cached_tokens: int = 0  # final: prompt tokens a prefix cache gave (not recomputed)
 
 
 @dataclass
@@ -300,3 +309,4 @@ class RoutedReply:
     reason: str = ""  # final: why (rule name, "default", or what made it fall back)
     served_by: str = ""  # final: endpoint name, or the local pipeline's own served_by
     error: str = ""  # final, with finish_reason FINISH_ERROR: what failed
+    num_cached_tokens: int = 0  # final: prompt tokens a prefix cache gave

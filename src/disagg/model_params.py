@@ -23,6 +23,7 @@ class TrtllmPrefillParams:
     trtllm_prefill_options: str
     trtllm_prefill_devices: str
     max_model_len: int
+    kv_lease_s: float  # also how long a context may wait for its generation half
 
 
 @dataclass(frozen=True)
@@ -38,12 +39,14 @@ class PrefillParams(TrtllmPrefillParams):
     host: str
     advertise_host: str
     kv_port: int
-    kv_lease_s: float
     kv_lease_mb: int
+    prefix_cache_tokens: int
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
-            max_model_len=self.max_model_len, max_tokens_limit=self.max_tokens_limit
+            max_model_len=self.max_model_len,
+            max_tokens_limit=self.max_tokens_limit,
+            prefix_cache_tokens=self.prefix_cache_tokens,
         )
 
 
@@ -69,6 +72,7 @@ class DecodeParams(TrtllmDecodeParams):
     decode_stream_interval: int
     decode_torch_threads: int
     run_dir: str
+    prefix_cache_tokens: int
 
     def engine_config(self) -> EngineConfig:
         """Decode's KV cache is touched at start: steady-state speed from the first request."""
@@ -78,6 +82,7 @@ class DecodeParams(TrtllmDecodeParams):
             max_num_seqs=self.decode_max_num_seqs,
             prefault_kv=True,
             prefill_chunk_tokens=self.decode_prefill_chunk,
+            prefix_cache_tokens=self.prefix_cache_tokens,
         )
 
 

@@ -73,6 +73,10 @@ class ServeSettings:
     # tokens, sent every this many steps; otherwise every token goes out as it is made
     decode_stream_interval: int = 2  # benchmarks/served_bench.py
     max_model_len: int = 2048  # prompt + output tokens
+    # prefix cache of each prefill and decode instance, in tokens (46 KB each in fp32 here):
+    # K/V of earlier prompts and replies reused by later prompts that start the same way;
+    # 0 turns it off (engine/prefix_cache.py, docs/benchmarks.md "Prefix caching")
+    prefix_cache_tokens: int = 16384
     max_tokens_limit: int = 1024  # largest max_tokens a request may ask for
     max_tokens_default: int = 128  # when a request does not say
     max_batch_size: int = 8  # Triton batch dimension of client-facing models (requests are 1)

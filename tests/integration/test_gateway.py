@@ -108,6 +108,57 @@ def test_chat_streamed_text_equals_the_non_streamed_text(client):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens > 0
 
 
+HARBOUR = "You are the harbour master's terse assistant; you know tides, berths and pilots. " * 8
+
+
+def _cached(resp) -> int:
+    details = resp.usage.prompt_tokens_details
+    return details.cached_tokens if details else 0
+
+
+def test_a_second_chat_turn_reuses_the_first_turns_kv(client, gateway):
+    """The prefix cache through every hop (gateway -> router -> orchestrator -> decode):
+    the second turn's usage names the cached prompt tokens, its reply is the one the same
+    turn gets with the cache bypassed, and another API key gets no hit from this key's."""
+    ask = {"model": MODEL, "max_tokens": 12, "temperature": 0.0}
+    turn1 = [{"role": "system", "content": HARBOUR}, {"role": "user", "content": "A boat?"}]
+    r1 = client.chat.completions.create(messages=turn1, **ask)
+    turn2 = turn1 + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And another one?"},
+    ]
+    r2 = client.chat.completions.create(messages=turn2, **ask)
+    assert _cached(r2) >= 96 and _cached(r2) < r2.usage.prompt_tokens  # whole 16-token blocks
+    bypass = client.chat.completions.create(
+        messages=turn2, extra_body={"use_prefix_cache": False}, **ask
+    )
+    assert _cached(bypass) == 0
+    assert bypass.choices[0].message.content == r2.choices[0].message.content
+    # streamed, the usage chunk says the same
+    stream = client.chat.completions.create(
+        messages=turn2, stream=True, stream_options={"include_usage": True}, **ask
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r2.choices[0].message.content and _cached(chunks[-1]) >= _cached(r2)
+    # another key: its own namespace, no hit from alpha's turns
+    beta = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-test-beta", max_retries=0)
+    other = beta.chat.completions.create(messages=turn2, **ask)
+    assert _cached(other) == 0
+    assert other.choices[0].message.content == r2.choices[0].message.content
+
+
+def test_a_bad_cache_salt_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"cache_salt": 5}
+        )
+    with pytest.raises(openai.BadRequestError, match="use_prefix_cache"):
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"use_prefix_cache": "no"}
+        )
+
+
 def test_completions_and_length_finish(client):
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5

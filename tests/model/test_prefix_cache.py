@@ -3,6 +3,8 @@ the rest, and greedy replies equal those with caching off, token for token."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from disagg.engine.config import EngineConfig
@@ -59,8 +61,8 @@ def _decode(llm, prompts, cache_tokens, concurrent, salts=None, chunk=64, first_
                     reused[o.request_id] = o.num_reused_tokens
 
     for i, p in enumerate(prompts):
-        salt = salts[i] if salts else ""
-        engine.add_request(f"r{i}", PARAMS, prompt_ids=p, cache_salt=salt)
+        params = dataclasses.replace(PARAMS, cache_salt=salts[i] if salts else "")
+        engine.add_request(f"r{i}", params, prompt_ids=p)
         if not concurrent or (i == 0 and first_alone):
             run()
     run()

@@ -52,6 +52,8 @@ GENERATION = Tensors(
         _optional(C.PAD_ID, np.int32),
         _optional(C.EXCLUDE_INPUT_IN_OUTPUT, np.bool_),
         _optional(C.IGNORE_EOS, np.bool_),
+        _optional(C.CACHE_SALT, np.object_),
+        _optional(C.USE_PREFIX_CACHE, np.bool_),
         _optional(C.RETURN_NUM_INPUT_TOKENS, np.bool_),
         _optional(C.RETURN_NUM_OUTPUT_TOKENS, np.bool_),
     )
@@ -105,6 +107,8 @@ class GenerationFields:
     pad_id: int | None = None
     exclude_input_in_output: bool = EXCLUDE_INPUT_DEFAULT
     ignore_eos: bool = False
+    cache_salt: str = ""
+    use_prefix_cache: bool = True
 
     @classmethod
     def parse(cls, fields: Mapping[str, Any]) -> GenerationFields:
@@ -129,6 +133,8 @@ class GenerationFields:
                 fields.get(C.EXCLUDE_INPUT_IN_OUTPUT, EXCLUDE_INPUT_DEFAULT)
             ),
             ignore_eos=bool(fields.get(C.IGNORE_EOS, False)),
+            cache_salt=str(fields.get(C.CACHE_SALT, "")),
+            use_prefix_cache=bool(fields.get(C.USE_PREFIX_CACHE, True)),
         )
 
 
@@ -229,11 +235,14 @@ class OrchestratorReply:
             TensorSpec(C.DECODE_PID, np.int32),
             TensorSpec(C.KV_BYTES, np.int64),
             TensorSpec(C.KV_HANDOFF_US, np.int64),
+            TensorSpec(C.NUM_CACHED_TOKENS, np.int32),
         )
     )  # final response only
     TENSORS = CLIENT_OUTPUTS + EXTRAS + ACK + FAILURE
     # what the router asks for: the reply, who served it, and the BLS contract's outputs
-    REQUESTED_BY_ROUTER = (*CLIENT_OUTPUTS.names, C.SERVED_BY, *ACK.names, *FAILURE.names)
+    REQUESTED_BY_ROUTER = (
+        *CLIENT_OUTPUTS.names, C.SERVED_BY, C.NUM_CACHED_TOKENS, *ACK.names, *FAILURE.names
+    )  # fmt: skip
 
     @staticmethod
     def encode(reply: Reply, batched: bool) -> Arrays:
@@ -245,6 +254,7 @@ class OrchestratorReply:
                 C.DECODE_PID: reply.decode_pid,
                 C.KV_BYTES: reply.kv_bytes,
                 C.KV_HANDOFF_US: int(reply.kv_handoff_s * 1e6),
+                C.NUM_CACHED_TOKENS: reply.num_cached_tokens,
             }
         return OrchestratorReply.TENSORS.encode(values, batched)
 
@@ -255,6 +265,7 @@ class OrchestratorReply:
         if C.TEXT_OUTPUT not in arrays:
             return None
         served = arrays.get(C.SERVED_BY)
+        cached = arrays.get(C.NUM_CACHED_TOKENS)
         reason = required(arrays, C.FINISH_REASON)[0].decode()
         return RoutedReply(
             text=required(arrays, C.TEXT_OUTPUT)[0].decode("utf-8"),
@@ -262,18 +273,20 @@ class OrchestratorReply:
             num_output_tokens=int(required(arrays, C.NUM_OUTPUT_TOKENS)[0]),
             finish_reason=reason or None,
             served_by="" if served is None else served.reshape(-1)[0].decode(),
+            num_cached_tokens=0 if cached is None else int(cached.reshape(-1)[0]),
         )
 
 
 class RouterReply:
     """router -> its client: a `RoutedReply`; the final one also says where it was routed."""
 
-    EXTRAS = Tensors(
+    ROUTING = Tensors(
         tuple(
             TensorSpec(name, np.object_)
             for name in (C.ROUTE_TARGET, C.ROUTE_REASON, C.SERVED_BY, C.ERROR)
         )
-    )  # final response only
+    )
+    EXTRAS = ROUTING + Tensors((TensorSpec(C.NUM_CACHED_TOKENS, np.int32),))  # final only
     TENSORS = CLIENT_OUTPUTS + EXTRAS
 
     @staticmethod
@@ -285,6 +298,7 @@ class RouterReply:
                 C.ROUTE_REASON: reply.reason,
                 C.SERVED_BY: reply.served_by,
                 C.ERROR: reply.error,
+                C.NUM_CACHED_TOKENS: reply.num_cached_tokens,
             }
         return RouterReply.TENSORS.encode(values, batched)
 
@@ -301,10 +315,11 @@ class RouterReply:
             reason=extras.get(C.ROUTE_REASON, ""),
             served_by=extras.get(C.SERVED_BY, ""),
             error=extras.get(C.ERROR, ""),
+            num_cached_tokens=int(scalar(arrays.get(C.NUM_CACHED_TOKENS)) or 0),
         )
 
     @staticmethod
     def extras(arrays: Mapping[str, Array]) -> dict[str, str]:
         """The routing outputs present (on the final response)."""
-        names = RouterReply.EXTRAS.names
+        names = RouterReply.ROUTING.names
         return {name: str(scalar(arrays[name])) for name in names if name in arrays}

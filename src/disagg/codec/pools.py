@@ -27,6 +27,7 @@ _FIRST_TOKEN = TensorSpec(C.FIRST_TOKEN, np.int32)
 _RESOLVED_SEED = TensorSpec(C.RESOLVED_SEED, np.uint64)
 _KV_PAYLOAD = TensorSpec(C.KV_PAYLOAD, np.uint8, (-1,))  # KVPayload.to_bytes(), or a KVRef
 _WORKER_PID = TensorSpec(C.WORKER_PID, np.int32)  # the process that answered
+_NUM_CACHED = TensorSpec(C.NUM_CACHED_TOKENS, np.int32)  # prompt tokens from a prefix cache
 
 
 def _first_int(arrays: Mapping[str, Array], name: str) -> int:
@@ -63,12 +64,19 @@ class PrefillResponse:
             _WORKER_PID,
             TensorSpec(C.PREFILL_TIME_US, np.int64),  # compute only
             TensorSpec(C.PREFILL_START_NS, np.int64),  # wall clock when compute began
+            _NUM_CACHED,
         )
     )
 
     @staticmethod
     def encode(
-        first_token: int, seed: int, kv_payload: Array, pid: int, compute_us: int, start_ns: int
+        first_token: int,
+        seed: int,
+        kv_payload: Array,
+        pid: int,
+        compute_us: int,
+        start_ns: int,
+        num_cached_tokens: int = 0,
     ) -> Arrays:
         values = {
             C.FIRST_TOKEN: first_token,
@@ -77,6 +85,7 @@ class PrefillResponse:
             C.WORKER_PID: pid,
             C.PREFILL_TIME_US: compute_us,
             C.PREFILL_START_NS: start_ns,
+            C.NUM_CACHED_TOKENS: num_cached_tokens,
         }
         return PrefillResponse.TENSORS.encode(values)
 
@@ -89,6 +98,7 @@ class PrefillResponse:
             worker_pid=_first_int(arrays, C.WORKER_PID),
             prefill_time_s=_first_int(arrays, C.PREFILL_TIME_US) / 1e6,
             start_wall_s=_first_int(arrays, C.PREFILL_START_NS) / 1e9,
+            num_cached_tokens=_first_int(arrays, C.NUM_CACHED_TOKENS),
         )
 
 
@@ -164,6 +174,7 @@ class DecodeStepResponse:
                 TensorSpec(C.TOKEN_IDS, np.int32, (-1,)),
                 TensorSpec(C.FINISH_REASON, np.object_),
                 _WORKER_PID,
+                _NUM_CACHED,
                 _LOAD,
             )
         )
@@ -183,11 +194,13 @@ class DecodeStepResponse:
         finish_reason: str | None,
         pid: int,
         load: tuple[int, ...] | None = None,
+        num_cached_tokens: int = 0,
     ) -> Arrays:
         values: dict[str, object] = {
             C.TOKEN_IDS: token_ids,
             C.FINISH_REASON: finish_reason or "",
             C.WORKER_PID: pid,
+            C.NUM_CACHED_TOKENS: num_cached_tokens,
         }
         if load is not None:
             values[C.DECODE_LOAD] = list(load)
@@ -200,6 +213,7 @@ class DecodeStepResponse:
             token_ids=[int(t) for t in required(arrays, C.TOKEN_IDS)],
             finish_reason=reason or None,
             worker_pid=_first_int(arrays, C.WORKER_PID),
+            num_cached_tokens=_first_int(arrays, C.NUM_CACHED_TOKENS),
         )
 
     @staticmethod

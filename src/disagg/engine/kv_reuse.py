@@ -97,7 +97,7 @@ class KVReuse:
 
     def peek(self, seq: Sequence) -> int:
         """How many prompt tokens `load_prompt` would copy now (counted in no statistic)."""
-        hashes = self.hashes(seq.prompt_ids, seq.cache_salt)
+        hashes = self.hashes(seq.prompt_ids, seq.params.cache_salt)
         found = self.index.match(hashes[: (seq.prompt_len - 1) // self.block_size], count=False)
         self.index.release(found)
         return len(found) * self.block_size
@@ -107,7 +107,7 @@ class KVReuse:
         tokens whose K/V are in its slot)."""
         if seq.prompt_ids:  # [] for a sequence whose K/V came from the prefill pool
             tokens = (seq.prompt_ids + seq.output_ids)[: seq.num_cached_tokens]
-            self.save(tokens, seq.cache_salt, cache.k[:, seq.slot], cache.v[:, seq.slot])
+            self.save(tokens, seq.params.cache_salt, cache.k[:, seq.slot], cache.v[:, seq.slot])
 
     def save(
         self, token_ids: Seq[int], salt: str, k: torch.Tensor, v: torch.Tensor,

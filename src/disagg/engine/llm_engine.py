@@ -86,16 +86,14 @@ class PrefillEngine:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        *,
-        cache_salt: str = "",
-        use_cache: bool = True,
     ) -> PrefillResult:
-        """The prompt's first token and K/V; a prefix cached here is copied, not recomputed
-        (`use_cache` False: neither read nor written)."""
+        """The prompt's first token and K/V; a prefix cached here (in params.cache_salt's
+        namespace) is copied, not recomputed (params.use_cache False: neither read nor
+        written)."""
         validate_request(self.model.args, self.config, prompt_ids, params)
         start = time.perf_counter()
-        reuse = self.kv_reuse if use_cache else None
-        hit = reuse.load_prompt(prompt_ids, cache_salt, self._scratch, 0) if reuse else None
+        reuse, salt = (self.kv_reuse if params.use_cache else None), params.cache_salt
+        hit = reuse.load_prompt(prompt_ids, salt, self._scratch, 0) if reuse else None
         if hit is not None and hit.num_cached_tokens:
             n = hit.num_cached_tokens
             logits = self.model.prefill_chunk(prompt_ids[n:], n, self._scratch, 0)
@@ -104,7 +102,7 @@ class PrefillEngine:
         else:
             logits, k, v = self.model.prefill(prompt_ids, kv_out=self._kv_buffers)
         if reuse is not None and hit is not None:
-            reuse.save(prompt_ids, cache_salt, k, v, hashes=hit.hashes)
+            reuse.save(prompt_ids, salt, k, v, hashes=hit.hashes)
         seed = resolve_seed(params)
         first = sample_one(logits.cpu(), params, seed, [])
         kv = KVPayload.from_arrays(self.model.args, k.cpu().numpy(), v.cpu().numpy())
@@ -156,13 +154,11 @@ class DecodeEngine:
         *,
         prompt_ids: list[int] | None = None,
         prefill: PrefillResult | None = None,
-        cache_salt: str = "",
-        use_cache: bool = True,
     ) -> None:
         """Queue a sequence: with `prefill` (its KV imported) or `prompt_ids` (prefilled
-        here, after what the prefix cache holds of it, in `cache_salt`'s namespace; with
-        `use_cache` False the cache is neither read nor written). Raises RequestError for
-        bad input, CapacityError when the queue is full."""
+        here, after what the prefix cache holds of it in `params.cache_salt`'s namespace;
+        with `params.use_cache` False the cache is neither read nor written). Raises
+        RequestError for bad input, CapacityError when the queue is full."""
         if (prompt_ids is None) == (prefill is None):
             raise RequestError("give exactly one of prompt_ids and a prefill result")
         if prefill is not None:
@@ -182,8 +178,7 @@ class DecodeEngine:
             self.eos_token_ids,
             pending_kv=prefill.kv if prefill else None,
             prompt_ids=list(prompt_ids) if prompt_ids is not None else [],
-            cache_salt=cache_salt,
-            use_cache=use_cache and self.kv_reuse is not None,
+            use_cache=params.use_cache and self.kv_reuse is not None,
         )
         with self._lock:
             if request_id in self._seqs:
@@ -301,7 +296,9 @@ class DecodeEngine:
         """Copy what the prefix cache holds of the prompt into the slot: how many tokens."""
         if seq.use_cache:
             assert self.kv_reuse is not None
-            hit = self.kv_reuse.load_prompt(seq.prompt_ids, seq.cache_salt, self.cache, seq.slot)
+            hit = self.kv_reuse.load_prompt(
+                seq.prompt_ids, seq.params.cache_salt, self.cache, seq.slot
+            )
             seq.num_reused_tokens = hit.num_cached_tokens
         return seq.num_reused_tokens
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+MAX_CACHE_SALT = 256
 
 
 class FinishReason(enum.StrEnum):
@@ -35,6 +36,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # finish when the text contains one; it is not returned
     ignore_eos: bool = False
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
+    # Not sampling, but carried with it to every pool: the prefix cache's namespace (the
+    # gateway gives each API key its own, so no key sees another's prompts by timing) and
+    # whether this request may use the cache at all
+    cache_salt: str = ""
+    use_cache: bool = True
 
     @property
     def is_greedy(self) -> bool:
@@ -66,6 +72,12 @@ class SamplingParams:
             not isinstance(s, str) or not s for s in self.stop
         ):
             raise RequestError(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings")
+        if not isinstance(self.cache_salt, str) or len(self.cache_salt) > MAX_CACHE_SALT:
+            raise RequestError(
+                f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters"
+            )
+        if not isinstance(self.use_cache, bool):
+            raise RequestError(f"use_cache must be a boolean, got {self.use_cache!r}")
         if len(self.bad_words_ids) > MAX_STOP_STRINGS or any(
             not w or any(not isinstance(t, int) or not 0 <= t < vocab_size for t in w)
             for w in self.bad_words_ids
@@ -106,8 +118,7 @@ class Sequence:
     admitted_s: float = 0.0
     # the prompt, for sequences decode prefills itself ([] when its KV came with it)
     prompt_ids: list[int] = field(default_factory=list, repr=False)
-    cache_salt: str = ""  # prefix cache namespace (a tenant's); "" shared
-    use_cache: bool = True  # False: neither reuse cached K/V nor leave any behind
+    use_cache: bool = True  # params.use_cache, and the engine has a prefix cache
     num_reused_tokens: int = 0  # leading prompt tokens whose K/V came from the prefix cache
 
     @property

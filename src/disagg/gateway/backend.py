@@ -7,8 +7,9 @@ Errors come back as messages only on a gRPC stream; disagg's models tag them wit
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import tritonclient.grpc as grpcclient
@@ -28,10 +29,11 @@ class Piece:
     num_input_tokens: int
     num_output_tokens: int
     finish_reason: str | None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, str] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # on the last: prompt tokens a prefix cache gave
 
 
-def _inputs(fields: dict) -> list[grpcclient.InferInput]:
+def _inputs(fields: dict[str, Any]) -> list[grpcclient.InferInput]:
     """The router's inputs (codec.generate.RouterRequest) as tritonclient inputs."""
     inputs = []
     for name, arr in RouterRequest.encode(fields).items():
@@ -41,7 +43,7 @@ def _inputs(fields: dict) -> list[grpcclient.InferInput]:
     return inputs
 
 
-def _piece(result) -> Piece:
+def _piece(result: grpcclient.InferResult) -> Piece:
     """One router response (codec.generate.RouterReply)."""
     arrays = gather(result.as_numpy, RouterReply.TENSORS.names)
     reply = RouterReply.decode(arrays)
@@ -51,6 +53,7 @@ def _piece(result) -> Piece:
         num_output_tokens=reply.num_output_tokens,
         finish_reason=reply.finish_reason,
         extra=RouterReply.extras(arrays),
+        num_cached_tokens=reply.num_cached_tokens,
     )
 
 
@@ -63,7 +66,7 @@ def api_error(message: str) -> APIError:
     return APIError(500, text, type_="server_error")
 
 
-async def _guarded(call):
+async def _guarded(call: AsyncIterator[Any]) -> AsyncIterator[Any]:
     """The call's responses, with transport failures (Triton down or restarting, the stream
     timing out) turned into OpenAI-format 503 / 504 errors."""
     try:
@@ -82,7 +85,7 @@ async def _guarded(call):
         ) from None
 
 
-async def _finish(call) -> None:
+async def _finish(call: Any) -> None:  # tritonclient's stream call: untyped
     """Let a completed stream end normally. A call dropped while open is cancelled when it is
     collected; a cancel reaching Triton after its request completed is a known race in the
     server (triton-inference-server/server#8034), so only clients that really go away cause
@@ -105,7 +108,8 @@ class TritonBackend:
         self.url = url
         self.timeout_s = timeout_s
         self._client: grpcaio.InferenceServerClient | None = None
-        self.on_retry = lambda: None  # metrics: a request tried again (Triton unreachable)
+        # metrics: a request tried again (Triton unreachable)
+        self.on_retry: Callable[[], None] = lambda: None
 
     @property
     def client(self) -> grpcaio.InferenceServerClient:
@@ -124,19 +128,19 @@ class TritonBackend:
         """Triton's own readiness: with --strict-readiness, every model is READY (a model
         reloading after its stub died is not)."""
         try:
-            return await self.client.is_server_ready()
+            return bool(await self.client.is_server_ready())
         except Exception:
             return False
 
     async def is_ready(self, model: str) -> bool:
         try:
-            return await self.client.is_model_ready(model)
+            return bool(await self.client.is_model_ready(model))
         except Exception:
             return False
 
     async def generate(
-        self, model: str, version: str, request_id: str, inputs: dict
-    ) -> AsyncIterator[Piece]:
+        self, model: str, version: str, request_id: str, inputs: dict[str, Any]
+    ) -> AsyncGenerator[Piece, None]:
         """Stream the router's responses; closing this generator cancels the request in
         Triton (and, through the router, frees its decode slot). A request Triton could not
         be reached for (nothing came back yet) is tried again for up to RETRY_S: the server
@@ -163,10 +167,10 @@ class TritonBackend:
             await pieces.aclose()
 
     async def _generate_once(
-        self, model: str, version: str, request_id: str, inputs: dict
-    ) -> AsyncIterator[Piece]:
+        self, model: str, version: str, request_id: str, inputs: dict[str, Any]
+    ) -> AsyncGenerator[Piece, None]:
 
-        async def one_request():
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield {
                 "model_name": model,
                 "model_version": version,

@@ -47,6 +47,34 @@ def _number(body: JSON, name: str, lo: float, hi: float, integer: bool = False) 
     return value
 
 
+MAX_CACHE_SALT = 128  # the gateway prefixes the API key's id (SamplingParams allows 256)
+
+
+def _prefix_cache(body: JSON, inputs: dict[str, object]) -> None:
+    """vLLM's `cache_salt` (a namespace within the caller's own; the gateway puts every key
+    in a namespace of its own, so a salt can only narrow sharing) and disagg's
+    `use_prefix_cache` (false: this request neither reads nor leaves cached K/V)."""
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT:
+            raise bad_request(
+                f"'cache_salt' must be a string of at most {MAX_CACHE_SALT} characters",
+                "cache_salt",
+            )
+        inputs[C.CACHE_SALT] = salt
+    use = body.get("use_prefix_cache", True)
+    if not isinstance(use, bool):
+        raise bad_request("'use_prefix_cache' must be a boolean", "use_prefix_cache")
+    if not use:
+        inputs[C.USE_PREFIX_CACHE] = False
+
+
+def key_salt(key_id: str, inputs: dict[str, object]) -> None:
+    """Put the request in its API key's prefix-cache namespace: one key's cached prompt
+    never shortens another key's prefill, so its timing tells nothing about other keys."""
+    inputs[C.CACHE_SALT] = f"key:{key_id}|{inputs.get(C.CACHE_SALT, '')}"
+
+
 def _hints(body: JSON, inputs: dict[str, object]) -> None:
     """disagg's routing hints (extensions to OpenAI's body), checked as strictly as the rest:
     the router's tensors are FP32 / INT32 / one string."""
@@ -167,6 +195,7 @@ def parse_request(body: object, kind: str) -> GenRequest:
         raise bad_request("'ignore_eos' must be a boolean", "ignore_eos")
     if ignore_eos:
         inputs[C.IGNORE_EOS] = True
+    _prefix_cache(body, inputs)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
@@ -205,12 +234,26 @@ def _envelope(
     }
 
 
-def usage(n_in: int, n_out: int) -> dict[str, int]:
-    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+def usage(n_in: int, n_out: int, n_cached: int = 0) -> JSON:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens a prefix cache gave
+    (as OpenAI and vLLM report them)."""
+    return {
+        "prompt_tokens": n_in,
+        "completion_tokens": n_out,
+        "total_tokens": n_in + n_out,
+        "prompt_tokens_details": {"cached_tokens": n_cached},
+    }
 
 
 def full_response(
-    req: GenRequest, rid: str, text: str, finish: str, n_in: int, n_out: int, fingerprint: str
+    req: GenRequest,
+    rid: str,
+    text: str,
+    finish: str,
+    n_in: int,
+    n_out: int,
+    fingerprint: str,
+    n_cached: int = 0,
 ) -> JSON:
     choice: JSON
     if req.kind == "chat":
@@ -229,7 +272,8 @@ def full_response(
             "finish_reason": FINISH.get(finish, finish),
         }
         obj, prefix = "text_completion", "cmpl-"
-    return {**_envelope(req, rid, fingerprint, obj, prefix, choice), "usage": usage(n_in, n_out)}
+    envelope = _envelope(req, rid, fingerprint, obj, prefix, choice)
+    return {**envelope, "usage": usage(n_in, n_out, n_cached)}
 
 
 def chunk(
@@ -255,10 +299,12 @@ def chunk(
     return _envelope(req, rid, fingerprint, obj, prefix, choice)
 
 
-def usage_chunk(req: GenRequest, rid: str, fingerprint: str, n_in: int, n_out: int) -> JSON:
+def usage_chunk(
+    req: GenRequest, rid: str, fingerprint: str, n_in: int, n_out: int, n_cached: int = 0
+) -> JSON:
     c = chunk(req, rid, fingerprint)
     c["choices"] = []
-    c["usage"] = usage(n_in, n_out)
+    c["usage"] = usage(n_in, n_out, n_cached)
     return c
 
 

@@ -98,15 +98,14 @@ class OpenAIRoutes:
 
     # -------------------------------------------------------------- models
 
-    # (the ignores: answers_errors, in gateway/http.py, is not annotated yet)
-    @answers_errors  # type: ignore[untyped-decorator]
+    @answers_errors
     async def models(self, request: Request) -> Response:
         self.authenticate(request)
         return JSONResponse(
             {"object": "list", "data": [self._model(m) for m in self.registry.listed()]}
         )
 
-    @answers_errors  # type: ignore[untyped-decorator]
+    @answers_errors
     async def model(self, request: Request) -> Response:
         self.authenticate(request)
         model, _ = self.registry.resolve(request.path_params["model"])
@@ -154,9 +153,9 @@ class OpenAIRoutes:
             model, version = self.registry.resolve(req.model)
             call.model = model.name
             req.inputs[C.MODEL] = model.name  # routing rules may match on it
+            oa.key_salt(call.key, req.inputs)
             call.headers[VERSION_HEADER] = version.name
-            # (the ignore: an async generator, annotated as an AsyncIterator in backend.py)
-            pieces = call.pieces = self.backend.generate(  # type: ignore[assignment]
+            pieces = call.pieces = self.backend.generate(
                 version.triton_model, version.triton_version, call.rid, req.inputs
             )
             log.info(
@@ -220,6 +219,7 @@ class OpenAIRoutes:
             last.num_input_tokens,
             last.num_output_tokens,
             call.fingerprint,
+            last.num_cached_tokens,
         )
         return JSONResponse(body, headers=headers)
 
@@ -276,7 +276,10 @@ class OpenAIRoutes:
                 if piece.finish_reason is not None:
                     yield oa.sse(oa.chunk(req, rid, fp, finish=piece.finish_reason))
                     if req.include_usage:
-                        yield oa.sse(oa.usage_chunk(req, rid, fp, call.n_in, call.n_out))
+                        usage = oa.usage_chunk(
+                            req, rid, fp, call.n_in, call.n_out, piece.num_cached_tokens
+                        )
+                        yield oa.sse(usage)
                     break
                 piece = await anext(pieces, None)
             call.status = 200

@@ -8,10 +8,12 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from disagg.cancel import CancelRegistry
+from disagg.contracts import DecodeStats
 from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.errors import EngineDeadError
 
@@ -24,7 +26,12 @@ log = logging.getLogger("disagg.decode")
 class Sink(Protocol):
     """Where one request's decode output goes (a Triton response sender, in production)."""
 
-    def send(self, token_ids: list[int], finish_reason: str | None) -> None: ...
+    def send(
+        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+    ) -> None:
+        """`num_cached_tokens`: with the first token of a prompt decode prefilled, the
+        prompt tokens its prefix cache gave."""
+        ...
 
     def fail(self, error: Exception) -> None: ...
 
@@ -38,6 +45,7 @@ class _Stream:
     sink: Sink
     held: list[int] = field(default_factory=list)  # waiting for the next response (load)
     started: bool = False  # its first token went out
+    num_cached_tokens: int = 0  # goes out with the first token
 
     def take(self, tokens: list[int]) -> list[int]:
         """The held tokens and `tokens`, now to be sent; nothing is held after."""
@@ -66,9 +74,9 @@ class DecodeService:
         # each check asks every request's sender (a round trip to tritonserver): 4 a second
         # keep a cancel's wasted steps few and were 2.6% of a loaded step at 20 a second
         cancel_check_interval_s: float = 0.25,
-        on_step=None,
+        on_step: Callable[[DecodeStats], None] | None = None,
         stuck_send_s: float = 5.0,  # a healthy send takes well under a millisecond
-        on_stuck=_exit_process,
+        on_stuck: Callable[[float], None] = _exit_process,
         stream_interval: int = 1,
         batch_slots: int = 0,
     ) -> None:
@@ -179,9 +187,12 @@ class DecodeService:
     def _deliver(self, outputs: list[TokenOutput], num_running: int) -> None:
         tokens: dict[str, list[int]] = defaultdict(list)
         finished: dict[str, str] = {}
+        cached: dict[str, int] = {}
         for o in outputs:
             if o.token_id is not None:
                 tokens[o.request_id].append(o.token_id)
+            if o.index == 0 and o.num_reused_tokens:
+                cached[o.request_id] = o.num_reused_tokens
             if o.finish_reason is not None:
                 finished[o.request_id] = o.finish_reason.value
         interval = self._interval(num_running)
@@ -207,7 +218,7 @@ class DecodeService:
             elif batch:
                 stream.started = True
             try:
-                stream.sink.send(batch, finished.get(rid))
+                stream.sink.send(batch, finished.get(rid), cached.get(rid, 0))
             except Exception:  # the client is gone: stop spending steps on it
                 log.info("request %s: sending failed; finishing it", rid)
                 self.engine.finish_request(rid, FinishReason.ABORT)

@@ -28,7 +28,9 @@ if TYPE_CHECKING:  # the engines bring torch
 log = logging.getLogger("disagg.pipeline")
 
 
-def prefill_result(request_id: str, first_token: int, seed: int, payload) -> PrefillResult:
+def prefill_result(
+    request_id: str, first_token: int, seed: int, payload: memoryview | bytes
+) -> PrefillResult:
     """What decode imports: the PrefillResult a KV payload's bytes (disagg's KVPayload, or
     TensorRT-LLM's DisaggregatedParams) describe. Raises KVPayloadError for bad bytes."""
     from disagg.engine.kv_payload import KVPayload
@@ -36,10 +38,10 @@ def prefill_result(request_id: str, first_token: int, seed: int, payload) -> Pre
     from disagg.trtllm import payload as trtllm_payload
 
     if trtllm_payload.is_trtllm_payload(payload):
-        kv = trtllm_payload.from_bytes(payload)
-    else:
-        kv = KVPayload.from_bytes(payload)
-    return PrefillResult(request_id, first_token, kv, seed, 0.0)
+        # TensorRT-LLM's decode engine takes its own hand-off where PrefillResult types ours
+        handoff = trtllm_payload.from_bytes(payload)
+        return PrefillResult(request_id, first_token, handoff, seed, 0.0)  # type: ignore[arg-type]
+    return PrefillResult(request_id, first_token, KVPayload.from_bytes(payload), seed, 0.0)
 
 
 class LocalPrefillPool:
@@ -65,6 +67,7 @@ class LocalPrefillPool:
             worker_pid=os.getpid(),
             prefill_time_s=result.prefill_time_s,
             start_wall_s=start_wall,
+            num_cached_tokens=result.num_reused_tokens,
         )
 
 
@@ -72,11 +75,13 @@ class _QueueSink:
     """DecodeService's Sink for one request: its output as DecodeSteps on a queue."""
 
     def __init__(self) -> None:
-        self.steps: queue.Queue = queue.Queue()
+        self.steps: queue.Queue[DecodeStep | Exception] = queue.Queue()
         self.cancelled = threading.Event()
 
-    def send(self, token_ids: list[int], finish_reason: str | None) -> None:
-        self.steps.put(DecodeStep(list(token_ids), finish_reason, os.getpid()))
+    def send(
+        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+    ) -> None:
+        self.steps.put(DecodeStep(list(token_ids), finish_reason, os.getpid(), num_cached_tokens))
 
     def fail(self, error: Exception) -> None:
         self.steps.put(error)

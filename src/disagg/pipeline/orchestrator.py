@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from disagg import contracts as C
 from disagg.codec.generate import GenerationFields
@@ -86,14 +87,14 @@ class OrchestratorEvents:
     def load(self, load: Load) -> None: ...
 
 
-def kv_path(payload) -> tuple[str, int]:
+def kv_path(payload: npt.NDArray[np.uint8]) -> tuple[str, int]:
     """(path, payload bytes moved) of a hand-off: "network" for a reference a decode server
     pulls from a prefill server (the bytes it names), "trtllm" for TensorRT-LLM's parameters
     (its transceiver moves the cache), "shm" for a payload passed within one server."""
     from disagg.kvnet import KVRef
     from disagg.trtllm.payload import is_trtllm_payload
 
-    data = memoryview(np.ascontiguousarray(payload, np.uint8).reshape(-1))
+    data = np.ascontiguousarray(payload, np.uint8).reshape(-1).data
     ref = KVRef.parse(data)
     if ref is not None:
         return "network", ref.nbytes
@@ -136,6 +137,8 @@ def build_request(
         stop=g.stop_words,
         bad_words_ids=tuple(tuple(tokenizer.encode(w)) for w in g.bad_words),
         ignore_eos=g.ignore_eos,
+        cache_salt=g.cache_salt,
+        use_cache=g.use_prefix_cache,
     )
     return GenerateRequest(
         request_id=child_request_id(caller_id),
@@ -256,6 +259,8 @@ class Orchestrator:
             if not run.decode_pid and handoff is not None:  # decode's acknowledgement
                 self._handoff_done(run, handoff, time.perf_counter() - sent)
             run.decode_pid = step.worker_pid
+            if step.num_cached_tokens and run.current is run.request:  # decode prefilled it
+                run.num_cached_tokens = step.num_cached_tokens
             if step.token_ids and handoff is None and run.last_token_s is None:
                 # decode prefilled this prompt itself: how fast it does that, for the cost model
                 self.cost_model.observe_local_prefill(
@@ -336,6 +341,7 @@ class Orchestrator:
         self.cost_model.observe_prefill(n, handoff.prefill_time_s)
         run.served_by = DISAGGREGATED
         run.prefill_pid = handoff.worker_pid
+        run.num_cached_tokens = handoff.num_cached_tokens
         return handoff
 
     def _add_tokens(self, run: RequestRun, tokens: list[int]) -> None:

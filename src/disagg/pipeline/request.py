@@ -45,6 +45,7 @@ class RequestRun:
     kv_bytes: int = 0  # size of the KV payload handed from prefill to decode
     kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
     last_token_s: float | None = None  # perf_counter() of the latest token; None before TTFT
+    num_cached_tokens: int = 0  # prompt tokens a prefix cache gave (prefill's or decode's)
 
     def __post_init__(self) -> None:
         self.current = self.request
@@ -83,4 +84,5 @@ class RequestRun:
             token_ids=list(self.token_ids),
             kv_bytes=self.kv_bytes,
             kv_handoff_s=self.kv_handoff_s,
+            num_cached_tokens=self.num_cached_tokens,
         )

@@ -65,11 +65,15 @@ class SenderSink:
         self.load = load  # () -> (running, waiting, free slots, free KV tokens), if asked for
         self.num_sent = 0
 
-    def send(self, token_ids: list[int], finish_reason: str | None) -> None:
+    def send(
+        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+    ) -> None:
         if self.caller.gone():  # DecodeService then finishes the request
             raise PoolError(f"the caller (pid {self.caller.pid}) died")
         load = None if self.load is None else self.load()
-        arrays = DecodeStepResponse.encode(token_ids, finish_reason, self.pid, load)
+        arrays = DecodeStepResponse.encode(
+            token_ids, finish_reason, self.pid, load, num_cached_tokens
+        )
         response = pb_utils.InferenceResponse(output_tensors=tensors(arrays))
         self.sender.send(response, flags=FINAL if finish_reason is not None else 0)
         self.num_sent += 1

@@ -32,8 +32,9 @@ def prefill_response(
     """The prefill model's answer to a prefill call: `result` a PrefillResult (or
     TensorRT-LLM's), `payload` the KV payload's bytes (or a KVRef to them)."""
     arrays = PrefillResponse.encode(
-        result.first_token, result.seed, payload, pid, compute_us, start_ns
-    )
+        result.first_token, result.seed, payload, pid, compute_us, start_ns,
+        getattr(result, "num_reused_tokens", 0),
+    )  # fmt: skip
     return pb_utils.InferenceResponse(tensors(arrays))
 
 
