@@ -103,6 +103,7 @@ class OrchestratorParams:
     prefill_instances: int
     orchestrator_max_concurrency: int
     migration_limit: int
+    prefix_cache_tokens: int  # the pools' own budget: how much of them the locality mirrors
 
     def engine_config(self) -> EngineConfig:
         """Limits only: the orchestrator checks requests against them, it runs no engine."""

@@ -140,3 +140,23 @@ def test_prefill_engine_reuses_and_hands_off_the_same_kv(llm):
         assert a.first_token == b.first_token
         assert a.kv.num_tokens == b.kv.num_tokens == len(p)
         assert abs(a.kv.k - b.kv.k).max() < 1e-3 and abs(a.kv.v - b.kv.v).max() < 1e-3
+
+
+def test_decode_keeps_handed_off_kv_named_by_its_prompt(llm):
+    """Disaggregated: decode imports a prompt's K/V from prefill; given the prompt's ids it
+    keeps those blocks too, so a later prompt decode prefills itself starts from them."""
+    prompts = _prompts(llm)
+    prefill = PrefillEngine(llm.model, EngineConfig(max_model_len=1024, prefix_cache_tokens=0))
+    config = EngineConfig(max_num_seqs=4, max_model_len=1024, prefix_cache_tokens=8192)
+    decode = DecodeEngine(llm.model, config, {llm.tokenizer.eos_token_id})
+    handed = prefill.prefill("a", prompts[0], PARAMS)
+    decode.add_request("a", PARAMS, prefill=handed, prompt_ids=prompts[0])
+    decode.add_request("b", PARAMS, prefill=prefill.prefill("b", prompts[1], PARAMS),
+                       prompt_ids=prompts[1][:-1])  # fmt: skip  # wrong ids: not cached
+    while decode.has_unfinished:
+        decode.step()
+    decode.add_request("c", PARAMS, prompt_ids=prompts[2])
+    first = []
+    while decode.has_unfinished:
+        first += [o for o in decode.step() if o.index == 0 and o.token_id is not None]
+    assert first[0].num_reused_tokens == _common(prompts[0], prompts[2]) // 16 * 16

@@ -22,6 +22,7 @@ from disagg.pipeline.orchestrator import (
     OrchestratorEvents,
     build_request,
 )
+from disagg.pipeline.prefix_locality import PrefixLocality
 from disagg.pipeline.request import GenerateRequest
 
 pytestmark = pytest.mark.unit
@@ -64,7 +65,8 @@ def test_first_token_streams_before_decode_starts(tokenizer, args):
     assert (final.served_by, final.prefill_pid, final.decode_pid) == (DISAGGREGATED, 111, 222)
     assert final.num_output_tokens == len(ids) and final.finish_reason == "length"
     handoff, prompt_ids = decode.calls[0]
-    assert handoff.first_token == ids[0] and prompt_ids is None
+    assert handoff.first_token == ids[0]
+    assert prompt_ids == tokenizer.encode("Hi")  # names the handed-off K/V, for its cache
 
 
 def test_prefill_pool_failure_falls_back_to_decode_prefill(tokenizer, args):
@@ -206,6 +208,26 @@ def test_conditional_mode_follows_its_cost_model(tokenizer, args):
     assert events.names("kv_handoff") == [("kv_handoff", 16)]
 
 
+def test_conditional_mode_sends_a_prompt_where_its_prefix_is_cached(tokenizer, args):
+    """Four sequences decoding would send a long prompt to the prefill pool, unless decode
+    holds most of it: the orchestrator recorded where the first turn's blocks were left."""
+    events = Recorder()
+    prefill, decode = ScriptedPrefill(5), ScriptedDecode([6, 7, 8])
+    o = Orchestrator(
+        tokenizer, args, EngineConfig(max_model_len=2048), prefill, decode, CONDITIONAL,
+        events, locality=PrefixLocality(4096),
+    )  # fmt: skip
+    turn1 = request(tokenizer, "word " * 600)
+    assert o.run(turn1, lambda r: None).served_by == COLOCATED  # decode idle: prefilled there
+    o.load.add_decode(4)
+    turn2 = request(tokenizer, "word " * 600 + "and one more question")
+    assert o.run(turn2, lambda r: None).served_by == COLOCATED  # decode kept turn 1
+    assert events.names("decision")[-1] == ("decision", False, "prefix_cached")
+    other_key = GenerateRequest(**{**turn2.__dict__, "params": SamplingParams(
+        max_tokens=16, cache_salt="another key")})  # fmt: skip
+    assert o.run(other_key, lambda r: None).served_by == DISAGGREGATED  # not its blocks
+
+
 def test_every_token_is_timed_once(tokenizer, args):
     events = Recorder()
     o = Orchestrator(
@@ -267,7 +289,7 @@ def test_a_decode_replica_failing_mid_stream_moves_the_request_to_another(tokeni
     assert "".join(deltas) + final.text == text
     assert final.token_ids == ids and final.finish_reason == "length"
     (rid0, h0, p0, _), (rid1, h1, p1, left1), (rid2, _, p2, left2) = decode.calls
-    assert h0 is not None and p0 is None  # the first replica got the KV hand-off
+    assert h0 is not None and p0 == prompt.prompt_ids  # the first replica got the hand-off
     assert h1 is None and p1 == prompt.prompt_ids + ids[:4]  # then prompt + tokens so far
     assert left1 == len(ids) - 4 and p2 == prompt.prompt_ids + ids[:7] and left2 == 1
     assert len({rid0, rid1, rid2}) == 3 and rid1.startswith(rid0 + ".")  # cancellable as one

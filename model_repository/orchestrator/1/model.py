@@ -16,6 +16,7 @@ from disagg.engine.tokenizer import Tokenizer
 from disagg.model_params import OrchestratorParams
 from disagg.pipeline.conditional import CostModel, CostParams
 from disagg.pipeline.orchestrator import Orchestrator, build_request
+from disagg.pipeline.prefix_locality import PrefixLocality
 from disagg.triton import bls, pb, pb_metrics, pools, runner
 
 BATCHED = True  # max_batch_size > 0: tensors carry a batch dimension (of 1)
@@ -45,6 +46,11 @@ class TritonPythonModel:
             cost_model=CostModel(cost),
             # a failed replica is replaced by another; a pool of this server is restarted
             migration_limit=p.migration_limit if p.decode_replicas else 0,
+            # where this server's pools left each prompt's K/V (pools elsewhere choose their
+            # replicas by load: which one holds a prompt is not known here)
+            locality=None
+            if p.prefill_replicas or p.decode_replicas
+            else PrefixLocality(p.prefix_cache_tokens),
         )
         self.replica_metrics = pb_metrics.ReplicaMetrics(
             {

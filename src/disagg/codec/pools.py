@@ -111,7 +111,9 @@ class DecodeInput:
     itself (the co-located mode, and the fallback when the prefill pool failed)."""
 
     params: SamplingParams
-    prompt_ids: list[int] | None  # set: no hand-off, decode prefills these
+    # the prompt: decode prefills it when there is no hand-off; with one, it names the
+    # handed-off K/V for decode's prefix cache (None: not sent)
+    prompt_ids: list[int] | None
     first_token: int = 0
     seed: int = 0
     kv_payload: Array | None = None  # uint8 [n]: the payload's bytes, or a KVRef to pull
@@ -144,7 +146,7 @@ class DecodeCall:
                 C.RESOLVED_SEED: handoff.seed,
                 C.KV_PAYLOAD: handoff.kv_payload,
             }
-        else:
+        if prompt_ids is not None or handoff is None:
             values[C.PROMPT_IDS] = prompt_ids or []
         return DecodeCall.TENSORS.encode(values)
 
@@ -159,7 +161,9 @@ class DecodeCall:
             return DecodeInput(params, f[C.PROMPT_IDS])
         if C.FIRST_TOKEN not in f or C.RESOLVED_SEED not in f:
             raise KVPayloadError(f"{C.KV_PAYLOAD} needs {C.FIRST_TOKEN} and {C.RESOLVED_SEED}")
-        return DecodeInput(params, None, f[C.FIRST_TOKEN], f[C.RESOLVED_SEED], payload.reshape(-1))
+        return DecodeInput(
+            params, f.get(C.PROMPT_IDS), f[C.FIRST_TOKEN], f[C.RESOLVED_SEED], payload.reshape(-1)
+        )
 
 
 class DecodeStepResponse:

@@ -155,16 +155,19 @@ class DecodeEngine:
         prompt_ids: list[int] | None = None,
         prefill: PrefillResult | None = None,
     ) -> None:
-        """Queue a sequence: with `prefill` (its KV imported) or `prompt_ids` (prefilled
-        here, after what the prefix cache holds of it in `params.cache_salt`'s namespace;
-        with `params.use_cache` False the cache is neither read nor written). Raises
+        """Queue a sequence: with `prefill` (its KV imported; `prompt_ids`, if given, name
+        that K/V so that it joins the prefix cache too) or with `prompt_ids` alone (prefilled
+        here, after what the prefix cache holds of it in `params.cache_salt`'s namespace).
+        With `params.use_cache` False the cache is neither read nor written. Raises
         RequestError for bad input, CapacityError when the queue is full."""
-        if (prompt_ids is None) == (prefill is None):
-            raise RequestError("give exactly one of prompt_ids and a prefill result")
+        if prompt_ids is None and prefill is None:
+            raise RequestError("give prompt_ids, a prefill result, or both")
         if prefill is not None:
             prefill.kv.check_compatible(self.model.args)
             params.validate(self.model.args.vocab_size, self.config.max_tokens_limit)
             prompt_len, output, seed = prefill.kv.num_tokens, [prefill.first_token], prefill.seed
+            if prompt_ids is not None and len(prompt_ids) != prompt_len:
+                prompt_ids = None  # not what the K/V were made from: not cached
         else:  # validate_request checks the sampling parameters too
             assert prompt_ids is not None  # (one of the two, checked above)
             validate_request(self.model.args, self.config, prompt_ids, params)

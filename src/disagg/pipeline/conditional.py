@@ -38,6 +38,10 @@ The cheaper side wins; ties go local (no hand-off to fail). Each decision names 
   prefill_queue   local: the prefill pool's queue costs more than stalling decode
   short_prompt    local: the hand-off costs more than the short stall
   protect_decode  remote: stalling the running sequences would cost more
+  prefix_cached   local: decode holds most of this prompt's K/V already
+
+Each side prefills only what its prefix cache lacks (`cached_local`, `cached_remote`: the
+orchestrator's estimate, pipeline/prefix_locality.py); the hand-off still moves all of it.
 
 Costs are in seconds of added waiting summed over the requests affected: one second of a new
 request's TTFT weighs as much as one second of stall for each running sequence.
@@ -55,7 +59,8 @@ DECODE_IDLE = "decode_idle"
 PREFILL_QUEUE = "prefill_queue"
 SHORT_PROMPT = "short_prompt"
 PROTECT_DECODE = "protect_decode"
-REASONS = (DECODE_IDLE, PREFILL_QUEUE, SHORT_PROMPT, PROTECT_DECODE)
+PREFIX_CACHED = "prefix_cached"
+REASONS = (DECODE_IDLE, PREFILL_QUEUE, SHORT_PROMPT, PROTECT_DECODE, PREFIX_CACHED)
 
 
 @dataclass(frozen=True)
@@ -121,18 +126,25 @@ class CostModel:
         }
         self._lock = threading.Lock()
 
-    def decide(self, num_prompt_tokens: int, load: Load) -> Decision:
+    def decide(
+        self, num_prompt_tokens: int, load: Load, cached_local: int = 0, cached_remote: int = 0
+    ) -> Decision:
+        """`cached_*`: leading prompt tokens decode (local) or the prefill pool (remote)
+        would take from its prefix cache rather than compute."""
         p = self.params
         with self._lock:
             local_spt, remote_spt = self.local_s_per_token, self.remote_s_per_token
             stall = self.remote_stall
             handoff = self.handoff_fixed_s + num_prompt_tokens * self.handoff_s_per_token
-        p_local, p_remote = num_prompt_tokens * local_spt, num_prompt_tokens * remote_spt
+        p_local = max(num_prompt_tokens - cached_local, 1) * local_spt
+        p_remote = max(num_prompt_tokens - cached_remote, 1) * remote_spt
         queue = load.prefill_queue_tokens * remote_spt / p.prefill_instances
         local = p_local + load.decode_active * p_local
         remote = queue + p_remote + handoff + load.decode_active * p_remote * stall
         if remote < local:
             reason = PROTECT_DECODE
+        elif 2 * cached_local >= num_prompt_tokens > cached_remote:
+            reason = PREFIX_CACHED
         elif load.decode_active == 0:
             reason = DECODE_IDLE
         elif queue > handoff:

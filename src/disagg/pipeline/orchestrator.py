@@ -40,6 +40,7 @@ from disagg.engine.sequence import FinishReason, SamplingParams, validate_reques
 from disagg.engine.tokenizer import TextStream, Tokenizer
 from disagg.errors import PoolError, RequestError
 from disagg.pipeline.conditional import CostModel, Load, LoadTracker
+from disagg.pipeline.prefix_locality import DECODE, PREFILL, PrefixLocality
 from disagg.pipeline.request import GenerateRequest, RequestRun
 
 log = logging.getLogger("disagg.orchestrator")
@@ -60,7 +61,8 @@ class DecodePool(Protocol):
         handoff: Handoff | None = None,
         prompt_ids: list[int] | None = None,
     ) -> Iterator[DecodeStep]:
-        """Stream decode steps; with `prompt_ids` (no handoff) decode prefills itself."""
+        """Stream decode steps; without a handoff decode prefills `prompt_ids` itself; with
+        one, `prompt_ids` name its K/V (decode keeps them in its prefix cache)."""
         ...
 
     def cancel(self, request_id: str) -> None: ...
@@ -162,10 +164,12 @@ class Orchestrator:
         events: OrchestratorEvents | None = None,
         cost_model: CostModel | None = None,
         migration_limit: int = 0,
+        locality: PrefixLocality | None = None,
     ) -> None:
         """`migration_limit`: how many times a request whose decode replica failed mid-stream
         moves to another (which prefills the prompt plus the tokens already sent and goes on);
-        0 for a pool of this server, where a failed decode is restarted, not replaced."""
+        0 for a pool of this server, where a failed decode is restarted, not replaced.
+        `locality`: where the pools probably hold each prompt's K/V (conditional mode)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.tokenizer = tokenizer
@@ -177,6 +181,7 @@ class Orchestrator:
         self.events = events or OrchestratorEvents()
         self.cost_model = cost_model or CostModel()
         self.migration_limit = migration_limit
+        self.locality = locality
         self.load = LoadTracker(on_change=self.events.load)
         self.eos = {tokenizer.eos_token_id} - {None}
 
@@ -204,7 +209,19 @@ class Orchestrator:
         finally:
             self.load.add_decode(-1)
         self.events.finished(run.served_by, finish, time.perf_counter() - req.arrival_s)
+        self._record_locality(run)
         return run.final_reply(finish)
+
+    def _record_locality(self, run: RequestRun) -> None:
+        """Where the request's blocks were left: decode keeps prompt and reply (handed off
+        or prefilled there), the prefill pool the prompt it prefilled."""
+        params = run.request.params
+        if self.locality is None or not params.use_cache:
+            return
+        prompt = run.request.prompt_ids
+        self.locality.record(DECODE, prompt + run.token_ids[:-1], params.cache_salt)
+        if run.served_by == DISAGGREGATED:
+            self.locality.record(PREFILL, prompt, params.cache_salt)
 
     def _decode_migrating(self, run: RequestRun) -> str:
         """Decode, moving to another decode replica when one fails (up to migration_limit):
@@ -243,7 +260,7 @@ class Orchestrator:
             current.request_id,
             current.params,
             handoff=run.handoff,
-            prompt_ids=None if run.handoff else current.prompt_ids,
+            prompt_ids=current.prompt_ids,
         )
         try:
             return self._decode_steps(run, steps)
@@ -314,7 +331,12 @@ class Orchestrator:
             return None
         n = len(req.prompt_ids)
         if self.mode == CONDITIONAL:
-            decision = self.cost_model.decide(n, self.load.snapshot())
+            cached = {DECODE: 0, PREFILL: 0}
+            if self.locality is not None and req.params.use_cache:
+                cached = self.locality.cached(req.prompt_ids, req.params.cache_salt)
+            decision = self.cost_model.decide(
+                n, self.load.snapshot(), cached_local=cached[DECODE], cached_remote=cached[PREFILL]
+            )
             self.events.decision(decision.remote, decision.reason)
             log.debug("request %s: %s", req.request_id, decision.explain())
             if not decision.remote:

@@ -37,14 +37,16 @@ def read_decode_call(
     request: pb_utils.InferenceRequest, request_id: str
 ) -> tuple[SamplingParams, PrefillResult | None, list[int] | None]:
     """The decode model's view of an orchestrator request: (sampling parameters, the
-    PrefillResult of its hand-off or None, the prompt ids to prefill or None)."""
+    PrefillResult of its hand-off or None, the prompt ids: to prefill, or naming the
+    hand-off's K/V; None when not sent)."""
     call = DecodeCall.decode(input_arrays(request, DecodeCall.TENSORS.names))
     if call.kv_payload is None:
         return call.params, None, call.prompt_ids
     payload: Array = call.kv_payload
     data = payload.tobytes() if not payload.flags.c_contiguous else payload.data
     data = resolve_kv_reference(data)  # decode on another server than its prefill
-    return call.params, prefill_result(request_id, call.first_token, call.seed, data), None
+    prefill = prefill_result(request_id, call.first_token, call.seed, data)
+    return call.params, prefill, call.prompt_ids
 
 
 class SenderSink:
