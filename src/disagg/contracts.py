@@ -17,6 +17,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from disagg.engine.prefix_cache import PrefixCacheStats
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import (
     CapacityError,
@@ -278,6 +279,8 @@ class DecodeStats:
     num_kv_blocks_total: int | None = None
     kv_bytes_reserved: int | None = None
     kv_bytes_capacity: int | None = None
+    prefix_cache: PrefixCacheStats | None = None  # a copy; None: no prefix cache
+    prefix_block_size: int = 16  # tokens per cached block
 
 
 @dataclass

@@ -108,6 +108,13 @@ DECISIONS = _m(
     "Conditional mode: where each prompt was prefilled, and the cost model's reason",
     ("model", "prefill", "reason"),
 )
+CACHED_TOKENS = _m(
+    "disagg_request_cached_tokens",
+    HISTOGRAM,
+    "Prompt tokens of each finished request that a prefix cache gave (OpenAI cached_tokens)",
+    ("model",),
+    (0, 16, 64, 256, 512, 1024, 2048, 4096),
+)
 PREFILL_QUEUE_TOKENS = _m(
     "disagg_prefill_queue_tokens",
     GAUGE,
@@ -177,6 +184,39 @@ DECODE_STEPS = _m(
     COUNTER,
     "Decode steps run (each produces one token per running sequence)",
     ("model", "instance"),
+)
+
+# ------------------------------------------------------------------ prefix caches (each pool)
+# hit rate = hit / queried tokens; the pool label is prefill or decode
+PREFIX_QUERIED = _m(
+    "disagg_prefix_cache_queried_tokens_total",
+    COUNTER,
+    "Prompt tokens in whole blocks looked up in a pool instance's prefix cache",
+    ("pool", "instance"),
+)
+PREFIX_HITS = _m(
+    "disagg_prefix_cache_hit_tokens_total",
+    COUNTER,
+    "Of those, tokens found cached: their K/V copied, not computed",
+    ("pool", "instance"),
+)
+PREFIX_EVICTED = _m(
+    "disagg_prefix_cache_evicted_blocks_total",
+    COUNTER,
+    "Cached blocks evicted (least recently used first) to make room",
+    ("pool", "instance"),
+)
+PREFIX_USED = _m(
+    "disagg_prefix_cache_used_tokens",
+    GAUGE,
+    "Tokens the prefix cache holds now (whole blocks)",
+    ("pool", "instance"),
+)
+PREFIX_CAPACITY = _m(
+    "disagg_prefix_cache_capacity_tokens",
+    GAUGE,
+    "Tokens the prefix cache may hold (prefix_cache_tokens, in whole blocks)",
+    ("pool", "instance"),
 )
 
 # ------------------------------------------------------------------ router (Triton)

@@ -121,6 +121,29 @@ def render(
         waiting = total(now, "disagg_decode_waiting_sequences", instance=inst)
         use = f"{kv / 2**20:7.1f} MiB ({100 * kv / cap:3.0f}%)" if cap else f"{kv / 2**20:7.1f} MiB"
         lines.append(f"  {inst:<16}{s.value:5.0f}  {waiting:7.0f}  {use}")
+    caches = sorted(
+        {(s.label("pool"), s.label("instance")) for s in now
+         if s.name == "disagg_prefix_cache_capacity_tokens"}
+    )  # fmt: skip
+    if caches:
+        lines += ["", "prefix cache      hit rate (last)  hit rate (all)  in use      evicted"]
+        for pool, inst in caches:
+            labels = {"pool": pool, "instance": inst}
+            hit, asked = (
+                total(now, f"disagg_prefix_cache_{n}_tokens_total", **labels)
+                for n in ("hit", "queried")
+            )
+            d_hit = hit - total(before, "disagg_prefix_cache_hit_tokens_total", **labels)
+            d_asked = asked - total(before, "disagg_prefix_cache_queried_tokens_total", **labels)
+            used = total(now, "disagg_prefix_cache_used_tokens", **labels)
+            cap = total(now, "disagg_prefix_cache_capacity_tokens", **labels)
+            evicted = total(now, "disagg_prefix_cache_evicted_blocks_total", **labels)
+            recent = f"{100 * d_hit / d_asked:5.0f}%" if d_asked else "    -"
+            overall = f"{100 * hit / asked:5.0f}%" if asked else "    -"
+            lines.append(
+                f"  {pool[:7]:<7} {inst[-8:]:<8} {recent:>10}  {overall:>14}  "
+                f"{used:6.0f}/{cap:<6.0f} {evicted:7.0f}"
+            )
     queued = total(now, "disagg_prefill_queue_tokens")
     lines += ["", f"prefill queue: {queued:.0f} prompt tokens", ""]
     lines.append("latency (ms)     p50    p90    p99     per s")

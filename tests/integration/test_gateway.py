@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import openai
 import pytest
-from helpers.triton_server import metric, metric_becomes, scrape, start_server
+from helpers.triton_server import eventually, metric, metric_becomes, scrape, start_server
 
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import free_ports
@@ -116,7 +116,7 @@ def _cached(resp) -> int:
     return details.cached_tokens if details else 0
 
 
-def test_a_second_chat_turn_reuses_the_first_turns_kv(client, gateway):
+def test_a_second_chat_turn_reuses_the_first_turns_kv(client, gateway, stack):
     """The prefix cache through every hop (gateway -> router -> orchestrator -> decode):
     the second turn's usage names the cached prompt tokens, its reply is the one the same
     turn gets with the cache bypassed, and another API key gets no hit from this key's."""
@@ -146,6 +146,16 @@ def test_a_second_chat_turn_reuses_the_first_turns_kv(client, gateway):
     other = beta.chat.completions.create(messages=turn2, **ask)
     assert _cached(other) == 0
     assert other.choices[0].message.content == r2.choices[0].message.content
+    # what the pools and the orchestrator counted (decode prefilled these: decode idle)
+    server = stack[0]
+
+    def counted() -> None:
+        hits = metric(server, "disagg_prefix_cache_hit_tokens_total", pool="decode")
+        assert hits >= 2 * _cached(r2)  # the turn, and the same turn streamed
+        assert metric(server, "disagg_prefix_cache_used_tokens", pool="decode") > 0
+        assert metric(server, "disagg_request_cached_tokens_sum") >= 2 * _cached(r2)
+
+    eventually(counted, 10)
 
 
 def test_a_bad_cache_salt_is_a_400(client):

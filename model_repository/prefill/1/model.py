@@ -13,7 +13,7 @@ from disagg.engine.llm_engine import PrefillEngine
 from disagg.engine.model import Llama
 from disagg.engine.sequence import SamplingParams
 from disagg.model_params import PrefillParams
-from disagg.triton import bls, pb, prefill_side
+from disagg.triton import bls, pb, pb_metrics, prefill_side
 
 
 class TritonPythonModel:
@@ -37,12 +37,14 @@ class TritonPythonModel:
         # pages are faulted in once instead of once per long prompt.
         self.buffers: list[np.ndarray] = []
         self.engine.prefill("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=1))
+        self.prefix_metrics = pb_metrics.PrefixCacheMetrics("prefill", args["model_instance_name"])
         # decode on other servers: payloads are leased here and pulled by them (kvnet.py)
         self.kv = prefill_side.KVLeaseServer.start(p, args) if p.kv_pull else None
 
     def finalize(self):
         if getattr(self, "kv", None) is not None:
             self.kv.close()
+        pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)
 
     def execute(self, requests):
         return [self._prefill(r, i) for i, r in enumerate(requests)]
@@ -67,6 +69,9 @@ class TritonPythonModel:
                 payload = np.frombuffer(to_bytes(handoff), np.uint8)
             else:
                 result = self.engine.prefill(rid, prompt, params)
+                if self.engine.kv_reuse is not None:
+                    reuse = self.engine.kv_reuse
+                    self.prefix_metrics.update(reuse.index.stats, reuse.block_size)
             compute_us = int((time.perf_counter() - start) * 1e6)  # the hand-off starts here
             if self.trtllm is None:
                 payload = result.kv.pack(self._buffer(i, result.kv.packed_size()))

@@ -9,6 +9,7 @@ DecodeEngine.step()              -> TokenOutputs; the loop is schedule / run / p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -200,7 +201,7 @@ class DecodeEngine:
         return bool(self._seqs)
 
     def stats(self) -> DecodeStats:
-        bm = self.scheduler.block_manager
+        bm, reuse = self.scheduler.block_manager, self.kv_reuse
         bytes_per_block = bm.block_size * self.model.args.kv_bytes_per_token
         return DecodeStats(
             num_running=len(self.scheduler.running),
@@ -210,6 +211,8 @@ class DecodeEngine:
             num_kv_blocks_total=bm.num_blocks,
             kv_bytes_reserved=bm.num_used_blocks * bytes_per_block,
             kv_bytes_capacity=bm.num_blocks * bytes_per_block,
+            prefix_cache=None if reuse is None else dataclasses.replace(reuse.index.stats),
+            prefix_block_size=self.config.block_size,
         )
 
     # ---------------------------------------------------------------- the loop

@@ -88,6 +88,9 @@ class OrchestratorEvents:
 
     def load(self, load: Load) -> None: ...
 
+    def cached_tokens(self, num_tokens: int) -> None:
+        """A finished request's prompt tokens that a prefix cache gave."""
+
 
 def kv_path(payload: npt.NDArray[np.uint8]) -> tuple[str, int]:
     """(path, payload bytes moved) of a hand-off: "network" for a reference a decode server
@@ -210,6 +213,7 @@ class Orchestrator:
             self.load.add_decode(-1)
         self.events.finished(run.served_by, finish, time.perf_counter() - req.arrival_s)
         self._record_locality(run)
+        self.events.cached_tokens(run.num_cached_tokens)
         return run.final_reply(finish)
 
     def _record_locality(self, run: RequestRun) -> None:

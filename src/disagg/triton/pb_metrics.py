@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import queue
@@ -13,6 +14,7 @@ import triton_python_backend_utils as pb_utils
 
 from disagg import metrics as M
 from disagg.contracts import DecodeStats
+from disagg.engine.prefix_cache import PrefixCacheStats
 
 if TYPE_CHECKING:
     from triton_python_backend_utils import _MetricKind
@@ -174,6 +176,10 @@ class OrchestratorMetrics:
         self.kv_bytes, self.kv_s = Family(M.KV_BYTES, **f), Family(M.KV_SECONDS, **f)
         self.decisions = Family(M.DECISIONS, **f)
         self.prefill_queue = Family(M.PREFILL_QUEUE_TOKENS, **f)
+        self.cached = Family(M.CACHED_TOKENS, **f)
+
+    def cached_tokens(self, num_tokens: int) -> None:
+        self.cached.observe(num_tokens)
 
     def first_token(self, served_by: str, ttft_s: float) -> None:
         self.ttft.observe(ttft_s, served_by=served_by)
@@ -202,6 +208,29 @@ class OrchestratorMetrics:
 
     def load(self, load: Load) -> None:
         self.prefill_queue.set(load.prefill_queue_tokens)
+
+
+class PrefixCacheMetrics:
+    """A pool instance's prefix cache (engine/prefix_cache.py), from its running stats."""
+
+    def __init__(self, pool: str, instance: str) -> None:
+        f = {"pool": pool, "instance": instance}
+        self.queried, self.hits = Family(M.PREFIX_QUERIED, **f), Family(M.PREFIX_HITS, **f)
+        self.evicted, self.used = Family(M.PREFIX_EVICTED, **f), Family(M.PREFIX_USED, **f)
+        self.capacity = Family(M.PREFIX_CAPACITY, **f)
+        self.last = PrefixCacheStats(0)
+
+    def update(self, stats: PrefixCacheStats, block_size: int) -> None:
+        for family, now, before in (
+            (self.queried, stats.num_queried_tokens, self.last.num_queried_tokens),
+            (self.hits, stats.num_hit_tokens, self.last.num_hit_tokens),
+            (self.evicted, stats.num_evicted_blocks, self.last.num_evicted_blocks),
+        ):
+            if now > before:
+                family.inc(now - before)
+        self.used.set(stats.num_used_blocks * block_size)
+        self.capacity.set(stats.num_blocks * block_size)
+        self.last = dataclasses.replace(stats)
 
 
 class ReplicaMetrics:
@@ -252,6 +281,7 @@ class DecodeMetrics:
             Family(M.DECODE_STEPS, **f),
         )
         self.queue, self.prefill_s = Family(M.QUEUE), Family(M.PREFILL)
+        self.prefix = PrefixCacheMetrics("decode", instance)
         self.last_steps = 0
 
     def on_step(self, stats: DecodeStats) -> None:
@@ -268,6 +298,8 @@ class DecodeMetrics:
         if stats.num_steps is not None:
             self.steps.inc(stats.num_steps - self.last_steps)
             self.last_steps = stats.num_steps
+        if stats.prefix_cache is not None:
+            self.prefix.update(stats.prefix_cache, stats.prefix_block_size)
 
     def on_admit(self, queue_s: float, prefill_s: float | None) -> None:
         self.queue.observe(queue_s, pool="decode")
