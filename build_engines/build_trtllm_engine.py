@@ -5,7 +5,12 @@ tokenizer, router and orchestrator read (config.json + tokenizer files, no weigh
 serve.toml for `disagg serve --config`.
 
     python build_engines/build_trtllm_engine.py --checkpoint checkpoints/Llama-3.1-8B-Instruct \\
-        --out engines/llama-8b --prefill-devices 0 --decode-devices 1 --dry-run
+        --out engines/llama-8b --dry-run
+
+GPUs: the pools' devices default to the GPUs this machine has (nvidia-smi): prefill on the
+first, decode on the next, or both sharing GPU 0 (with KV fractions that fit) on one GPU.
+A device list naming a GPU the machine lacks is refused; building elsewhere, say how many the
+serving machine has with --num-gpus (disagg serve checks again at start).
 
 Keep the checkpoint under ./checkpoints and the output under ./engines: serve.toml then holds
 paths relative to the checkout, which the compose `gpu` service mounts at the same place.
@@ -22,6 +27,7 @@ from pathlib import Path
 
 from disagg.engine.hf import write_serving_metadata
 from disagg.errors import ConfigError
+from disagg.trtllm import gpus
 from disagg.trtllm.build import TRANSCEIVERS, BuildSpec, PoolSpec, describe, files
 
 
@@ -32,14 +38,33 @@ def _devices(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"GPU indexes like 0 or 0,1, got {text!r}") from e
 
 
-def parse(argv: list[str] | None) -> tuple[BuildSpec, bool]:
+def default_devices(world: dict[str, int], num_gpus: int | None) -> dict[str, tuple[int, ...]]:
+    """Prefill on the first GPUs, decode on the next; on a machine with too few, decode
+    shares from GPU 0 (its count unknown: the next ones, as on two GPUs)."""
+    pre, dec = world["prefill"], world["decode"]
+    start = pre if num_gpus is None or pre + dec <= num_gpus else 0
+    return {"prefill": tuple(range(pre)), "decode": tuple(range(start, start + dec))}
+
+
+def parse(argv: list[str] | None) -> tuple[BuildSpec, bool, str]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--out", required=True, help="output directory (under ./engines)")
     p.add_argument("--dtype", default="auto", help="LLM-API dtype (auto: the checkpoint's)")
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--transceiver", type=str.upper, choices=TRANSCEIVERS, default="UCX")
-    for role, batch, tokens, gpu in (("prefill", 8, 8192, "0"), ("decode", 128, 512, "1")):
+    p.add_argument(
+        "--num-gpus",
+        type=int,
+        default=None,
+        help="GPUs of the serving machine (default: counted here with nvidia-smi)",
+    )
+    p.add_argument(
+        "--no-kv-reuse",
+        action="store_true",
+        help="turn KV block reuse (prefix caching) and its events off on both pools",
+    )
+    for role, batch, tokens in (("prefill", 8, 8192), ("decode", 128, 512)):
         p.add_argument(f"--{role}-max-batch-size", type=int, default=batch)
         p.add_argument(
             f"--{role}-max-num-tokens",
@@ -52,8 +77,8 @@ def parse(argv: list[str] | None) -> tuple[BuildSpec, bool]:
         p.add_argument(
             f"--{role}-devices",
             type=_devices,
-            default=_devices(gpu),
-            help=f"GPU indexes of the {role} pool (default {gpu})",
+            default=None,
+            help=f"GPU indexes of the {role} pool (default: see above)",
         )
         p.add_argument(f"--{role}-kv-fraction", type=float, default=None,
                        help="free GPU memory for its KV cache (default: 0.85 on its own GPU, "
@@ -63,16 +88,29 @@ def parse(argv: list[str] | None) -> tuple[BuildSpec, bool]:
                         "pool's GPU memory (0: off)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
     a = p.parse_args(argv)
+    v = vars(a)
+    num_gpus = a.num_gpus if a.num_gpus is not None else gpus.count_gpus()
+    world = {r: v[f"{r}_tp"] * v[f"{r}_pp"] for r in ("prefill", "decode")}
+    devices = {r: v[f"{r}_devices"] or d for r, d in default_devices(world, num_gpus).items()}
+    if num_gpus is None:
+        note = "# GPUs: not counted here (no nvidia-smi): disagg serve checks the devices at start"
+    else:
+        note = f"# GPUs: {num_gpus} on the serving machine"
+        for role, ids in devices.items():
+            fix = "give GPUs that exist (or --num-gpus for another machine)"
+            try:
+                gpus.check_exist(list(ids), num_gpus, f"--{role}-devices", fix)
+            except ConfigError as e:
+                p.error(str(e))
 
     def pool(role: str) -> PoolSpec:
-        v = vars(a)
         return PoolSpec(
             max_batch_size=v[f"{role}_max_batch_size"],
             max_num_tokens=v[f"{role}_max_num_tokens"],
             tensor_parallel=v[f"{role}_tp"],
             pipeline_parallel=v[f"{role}_pp"],
             kv_cache_fraction=v[f"{role}_kv_fraction"],
-            devices=v[f"{role}_devices"],
+            devices=devices[role],
             host_cache_gb=a.decode_host_cache_gb if role == "decode" else 0.0,
         )
 
@@ -83,12 +121,13 @@ def parse(argv: list[str] | None) -> tuple[BuildSpec, bool]:
             dtype=a.dtype,
             max_seq_len=a.max_seq_len,
             transceiver=a.transceiver,
+            kv_reuse=not a.no_kv_reuse,
             prefill=pool("prefill"),
             decode=pool("decode"),
         )
     except ValueError as e:
         p.error(str(e))
-    return spec, a.dry_run
+    return spec, a.dry_run, note
 
 
 def installed_tensorrt_llm() -> str | None:
@@ -100,8 +139,9 @@ def installed_tensorrt_llm() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec, dry_run = parse(argv)
+    spec, dry_run, note = parse(argv)
     print(describe(spec))
+    print(note)
     if dry_run:
         return 0
     try:

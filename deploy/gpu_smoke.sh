@@ -6,9 +6,14 @@
 # KV hand-off metric. Exits non-zero naming the failing step; meant to finish in 10 minutes.
 #
 #   SMOKE_CHECKPOINT=checkpoints/TinyLlama-1.1B-Chat-v1.0 bash deploy/gpu_smoke.sh
+#   SMOKE_CHECKPOINT=checkpoints/TinyLlama-1.1B-Chat-v1.0 docker compose --profile gpu-smoke \
+#       run --rm gpu-smoke                                   # the same, in the TensorRT-LLM image
 #
 # SMOKE_CPU=1 runs the same serve-and-request steps on disagg's CPU engine (SmolLM2), with no
-# GPU and no TensorRT-LLM: the test suite does that, to keep the request half honest.
+# GPU and no TensorRT-LLM: the test suite does that, to keep the request half honest. Both
+# halves serve the same way: their own ports on loopback, their own gateway, and every prompt
+# through the prefill pool (mode disaggregated, whatever `auto` would pick: on one GPU it picks
+# conditional, whose cost model keeps short prompts co-located, and no hand-off would happen).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 work="${SMOKE_WORK:-$(mktemp -d /tmp/disagg-smoke.XXXXXX)}"
@@ -23,15 +28,29 @@ fail() {
 cleanup() { [ -n "$server_pid" ] && kill -TERM -- "-$server_pid" 2>/dev/null; wait 2>/dev/null; }
 trap cleanup EXIT
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+get() {  # GET a URL (python3, not curl: the image need not have curl); status 0 on a 2xx
+  python3 - "$@" <<'PY'
+import sys, urllib.request
+req = urllib.request.Request(sys.argv[1], headers=dict(h.split(": ", 1) for h in sys.argv[2:]))
+try:
+    sys.stdout.write(urllib.request.urlopen(req, timeout=5).read().decode())
+except Exception:
+    sys.exit(1)
+PY
+}
 
 export DISAGG_HTTP_PORT="$(port)" DISAGG_GRPC_PORT="$(port)" DISAGG_METRICS_PORT="$(port)"
 export DISAGG_GATEWAY_PORT="$(port)" DISAGG_BUILD_DIR="$work/triton"
 export DISAGG_ADMIN_KEY="smoke-admin-$RANDOM$RANDOM" DISAGG_API_KEYS="sk-smoke-$RANDOM$RANDOM"
+# what a compose service's environment may say otherwise (its gateway is another service,
+# it binds 0.0.0.0): this script serves, and waits for, a gateway of its own on loopback
+export DISAGG_HOST=127.0.0.1 DISAGG_GATEWAY_ENABLED=true DISAGG_ROLE=all
+export DISAGG_MODE=disaggregated  # the hand-off is what the smoke test checks
 config_args=()
+step "mode $DISAGG_MODE, ports on 127.0.0.1, gateway :$DISAGG_GATEWAY_PORT"
 
 if [ "${SMOKE_CPU:-0}" = 1 ]; then
   step "cpu mode: disagg's engine, no GPU"
-  export DISAGG_MODE=disaggregated
 else
   step "preflight: nvidia-smi"
   gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
@@ -53,10 +72,10 @@ fi
 step "serve: python3 -m disagg serve ${config_args[*]}"
 setsid python3 -m disagg serve "${config_args[@]}" >"$log" 2>&1 &
 server_pid=$!
-deadline=$((SECONDS + ${SMOKE_READY_S:-420}))
-until curl -sf "http://127.0.0.1:$DISAGG_GATEWAY_PORT/ready" >/dev/null 2>&1; do
+deadline=$((SECONDS + ${SMOKE_READY_S:-1200}))  # settings.startup_budget_s with TensorRT-LLM
+until get "http://127.0.0.1:$DISAGG_GATEWAY_PORT/ready" >/dev/null; do
   kill -0 "$server_pid" 2>/dev/null || fail "serve: the server exited"
-  [ "$SECONDS" -lt "$deadline" ] || fail "serve: not ready in ${SMOKE_READY_S:-420} s"
+  [ "$SECONDS" -lt "$deadline" ] || fail "serve: not ready in ${SMOKE_READY_S:-1200} s"
   sleep 2
 done
 echo "ready after $SECONDS s" >&2
@@ -65,8 +84,8 @@ step "disagg doctor"
 python3 -m disagg doctor "${config_args[@]}" >&2 || fail "disagg doctor (see its FAIL lines)"
 
 step "requests and metrics (deploy/smoke_check.py)"
-model=$(curl -sf -H "Authorization: Bearer $DISAGG_API_KEYS" \
-  "http://127.0.0.1:$DISAGG_GATEWAY_PORT/v1/models" \
+model=$(get "http://127.0.0.1:$DISAGG_GATEWAY_PORT/v1/models" \
+  "Authorization: Bearer $DISAGG_API_KEYS" \
   | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])') \
   || fail "requests: GET /v1/models"
 python3 deploy/smoke_check.py --triton-grpc "127.0.0.1:$DISAGG_GRPC_PORT" \

@@ -8,6 +8,12 @@ image's version instead of ours. The TensorRT-LLM image's transformers checks th
 version on import (4.53: tokenizers>=0.21,<0.22), so our pin (0.23.x) would install fine and
 then break `import tensorrt_llm`; disagg's code runs on the image's versions. Install with
 the image's freeze as constraints too (pip -c), so nothing it has is upgraded behind its back.
+
+A package the image lacks keeps our pin, unless its line says `# image: <range>`: then the
+range, for pip to pick a version that resolves against the image's freeze. tritonclient 2.73
+requires grpcio>=1.81.1 and protobuf>=6.30,<7, which an image with protobuf 4 or 5 (the
+TensorRT-LLM image has grpcio and protobuf, through etcd3) cannot take: ResolutionImpossible
+under -c. tritonclient>=2.51 resolves to 2.51 beside protobuf 4.25, to 2.66 beside 5.29.
 """
 
 from __future__ import annotations
@@ -45,12 +51,15 @@ def adapt(requirements: str, freeze: str) -> str:
     have = image_versions(freeze)
     lines = []
     for raw in requirements.splitlines():
-        text = raw.split("#", 1)[0].strip()
+        text, _, comment = (part.strip() for part in raw.partition("#"))
         if not text:
             continue
         name, extras, pin = split(text)
+        in_image = re.match(r"image:\s*(\S+)", comment)
         if canonical(name) in have:
             lines.append(f"{name}{extras}{have[canonical(name)]}  # the image's")
+        elif in_image:
+            lines.append(f"{name}{extras}{in_image.group(1)}  # what resolves beside the image's")
         else:
             lines.append(f"{name}{extras}{pin}")
     return "\n".join(lines) + "\n"

@@ -46,6 +46,7 @@ class ServeSettings:
     # a model whose stub died and that is not READY again this long after its reload began is
     # given up on: the whole tritonserver is restarted (see serve/supervisor.py)
     recover_timeout_s: float = 60.0
+    startup_timeout_s: float = 0.0  # serve's wait for READY (0: by engine, startup_budget_s)
     # on SIGTERM, in-flight requests get this long to finish before the server exits (new
     # ones are refused at once); keep it under Kubernetes' terminationGracePeriodSeconds
     drain_s: float = 10.0
@@ -207,6 +208,14 @@ class ServeSettings:
         if self.engine_backend == "tensorrt_llm" and pre and dec and not pre & dec:
             return DISAGGREGATED, "prefill and decode have GPUs of their own"
         return CONDITIONAL, "prefill and decode would share this machine's cores"
+
+    @property
+    def startup_budget_s(self) -> float:
+        """serve's wait for READY (a startupProbe must wait as long). TensorRT-LLM pools load,
+        warm up, capture CUDA graphs: upstream's disaggregated tests give them 1200 s."""
+        remote = self.role == "frontend" and self.prefill_replicas and self.decode_replicas
+        trtllm = self.engine_backend == "tensorrt_llm" and not remote
+        return self.startup_timeout_s or (1200.0 if trtllm else 180.0)
 
     @property
     def kv_pull(self) -> bool:

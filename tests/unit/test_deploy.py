@@ -26,7 +26,7 @@ def compose() -> dict:
 def test_the_compose_file_is_valid_compose():
     parsed = PyCompose.from_yaml(COMPOSE.read_text())
     assert set(parsed.service_names()) == {
-        "triton-gpu", "triton-cpu", "gateway", "prometheus", "grafana",
+        "triton-gpu", "gpu-smoke", "triton-cpu", "gateway", "prometheus", "grafana",
         "frontend", "prefill-1", "prefill-2", "decode-1", "decode-2",
     }  # fmt: skip
 
@@ -153,6 +153,57 @@ def test_the_image_keeps_its_own_versions_of_what_it_already_has():
     assert "numpy  # the image's" in out  # from a URL: no pin of ours either
     assert "starlette==1.10.0" in out  # not in the image: our pin
     assert len(out) == len([x for x in ours.splitlines() if x and not x.startswith("#")])
+
+
+def test_a_client_the_image_lacks_gets_a_range_that_resolves_beside_its_protobuf():
+    """tritonclient 2.73 requires grpcio>=1.81.1 and protobuf>=6.30,<7 (its wheel's
+    metadata): with an image's protobuf 4 or 5 as constraints pip fails (ResolutionImpossible,
+    checked with pip --dry-run once); the range resolves to 2.51 / 2.66 there."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("imgreq", ROOT / "deploy/image_requirements.py")
+    imgreq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(imgreq)
+    ours = (ROOT / "deploy" / "requirements-serve.txt").read_text()
+    out = imgreq.adapt(ours, "protobuf==5.29.3\ngrpcio==1.67.1\n").splitlines()
+    assert "tritonclient[grpc,http]>=2.51  # what resolves beside the image's" in out
+    assert "tritonclient[grpc,http]==2.73.0" in ours  # the dev pin stays exact
+
+
+def test_the_documented_smoke_run_works_in_the_image_through_compose(compose):
+    """docker compose --profile gpu-smoke run --rm gpu-smoke: the script and what it runs are
+    in the image, and the service runs it with GPUs and the checkpoint, in the checkout."""
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    copied = {p for line in re.findall(r"^COPY (.+) \S+$", text, re.M) for p in line.split()}
+    for needed in ("deploy/gpu_smoke.sh", "deploy/smoke_check.py", "build_engines", "src"):
+        assert needed in copied, needed
+    smoke, gpu = compose["services"]["gpu-smoke"], compose["services"]["triton-gpu"]
+    assert smoke["command"] == ["bash", "deploy/gpu_smoke.sh"]
+    assert smoke["image"] == gpu["image"] and smoke["working_dir"] == "/opt/disagg"
+    assert smoke["volumes"] == gpu["volumes"] and smoke["deploy"] == gpu["deploy"]
+    assert smoke["environment"]["SMOKE_CHECKPOINT"].startswith("${SMOKE_CHECKPOINT")
+    assert "ports" not in smoke  # it serves on loopback inside its own container
+    assert smoke["profiles"] == ["gpu-smoke"]
+
+
+def test_the_smoke_script_serves_the_same_way_on_both_halves():
+    """Whatever its environment says (compose's services disable the gateway, bind 0.0.0.0;
+    `auto` picks conditional on one GPU and keeps short prompts co-located), the script
+    serves its own gateway on loopback with every prompt through prefill, before it branches
+    into its CPU or GPU half: so the CPU run checks the hand-off the GPU run needs."""
+    script = (ROOT / "deploy" / "gpu_smoke.sh").read_text()
+    common = script[: script.index('if [ "${SMOKE_CPU:-0}" = 1 ]')]
+    for setting in ("DISAGG_MODE=disaggregated", "DISAGG_GATEWAY_ENABLED=true",
+                    "DISAGG_HOST=127.0.0.1"):  # fmt: skip
+        assert setting in common, setting
+        assert script.count(setting) == 1, f"{setting} set in one half only"
+    assert not re.search(r"^[^#]*\bcurl ", script, re.M)  # the image need not have curl
+
+
+def test_the_gpu_services_carry_the_transceivers_environment(compose):
+    for name in ("triton-gpu", "gpu-smoke"):
+        env = compose["services"][name]["environment"]
+        assert env["UCX_MM_ERROR_HANDLING"] == "y" and env["UCX_CUDA_IPC_ENABLE_MNNVL"] == "n"
 
 
 def test_the_multinode_profile_wires_a_frontend_to_two_prefill_and_two_decode_servers(compose):

@@ -131,16 +131,49 @@ def test_ports_probes_and_roles_match_the_settings_the_pods_load(rendered, tmp_p
             assert s.engine_backend == "tensorrt_llm"
 
 
+def _ports(rule: dict) -> tuple[int, int]:
+    (port,) = rule["ports"]
+    return port["port"], port.get("endPort", port["port"])
+
+
 def test_the_network_policies_open_exactly_the_pools_ports(rendered):
-    _, docs = rendered
-    policies = {p["metadata"]["name"]: p for p in by_kind(docs, "NetworkPolicy")}
-    allowed = {
-        name: {(r["from"][0]["podSelector"]["matchLabels"].get("app.kubernetes.io/component",
-               "prometheus"), r["ports"][0]["port"]) for r in p["spec"]["ingress"]}
-        for name, p in policies.items()
-    }  # fmt: skip
-    assert allowed["disagg-prefill"] == {("frontend", 8001), ("decode", 8105), ("prometheus", 8002)}
-    assert allowed["disagg-decode"] == {("frontend", 8001), ("prometheus", 8002)}
+    """The base: gRPC from the frontend, disagg's KV port from decode, metrics. GPU: also
+    prefill <-> decode on every TCP port, for TensorRT-LLM's transceiver, whose listener port
+    the kernel picks (and UCX's TCP lanes open more)."""
+    overlay, docs = rendered
+    allowed: dict[str, set] = {}
+    for policy in by_kind(docs, "NetworkPolicy"):
+        target = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        for r in policy["spec"]["ingress"]:
+            source = r["from"][0]["podSelector"]["matchLabels"]
+            allowed.setdefault(target, set()).add(
+                (source.get("app.kubernetes.io/component", "prometheus"), _ports(r))
+            )
+    every = (1, 65535)
+    transfer = {"prefill": {("decode", every)}, "decode": {("prefill", every)}}
+    extra = transfer if overlay == "gpu" else {"prefill": set(), "decode": set()}
+    assert allowed["prefill"] == {("frontend", (8001, 8001)), ("decode", (8105, 8105)),
+                                  ("prometheus", (8002, 8002))} | extra["prefill"]  # fmt: skip
+    assert allowed["decode"] == {("frontend", (8001, 8001)),
+                                 ("prometheus", (8002, 8002))} | extra["decode"]  # fmt: skip
+
+
+def test_startup_probes_wait_as_long_as_serve_does(rendered, tmp_path):
+    """Two TensorRT-LLM pools may load for many minutes: a startupProbe shorter than serve's
+    own budget would restart the pod mid-load, over and over."""
+    overlay, docs = rendered
+    for dep in by_kind(docs, "Deployment"):
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value", "x" * 32) for e in c["env"]}
+        role = c["command"][c["command"].index("--role") + 1]
+        s = _settings(docs, {**env, "DISAGG_ROLE": role}, tmp_path)
+        probe = c["startupProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= s.startup_budget_s, role
+        if overlay == "gpu" and role != "frontend":
+            assert s.startup_budget_s >= 1200  # TensorRT-LLM pools here
+            ucx = {k: v for k, v in env.items() if k.startswith("UCX_")}
+            assert ucx == {"UCX_MM_ERROR_HANDLING": "y", "UCX_CUDA_IPC_ENABLE_MNNVL": "n",
+                           "UCX_RNDV_SCHEME": "put_zcopy"}  # fmt: skip
 
 
 def test_references_exist_or_are_the_users_and_no_secret_is_written_down(rendered):

@@ -5,8 +5,10 @@ token stream DecodeService sees, aborts and capacity."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -214,3 +216,111 @@ def test_a_timed_out_request_ends_as_aborted(trt):
     decode.add_request("t", SamplingParams(max_tokens=9), prompt_ids=[1])
     tokens, reason = drain(decode, "t")
     assert tokens == [4, 5] and reason == FinishReason.ABORT
+
+
+def test_a_prompt_found_in_the_prefix_cache_reports_its_reused_tokens(trt):
+    """1.0's outputs carry no cached-token count: disagg asks for the request's perf metrics
+    (where SamplingParams has the field) and counts reused blocks of 32 tokens."""
+    prefill, decode, prefill_llm, _ = engines(trt)
+    prompt = list(range(1, 61))  # a whole block of 32 tokens and 28 more
+    first, _ = prefill.prefill("r1", prompt, SamplingParams(max_tokens=2))
+    again, _ = prefill.prefill("r2", prompt[:32] + [9, 9], SamplingParams(max_tokens=2))
+    assert (first.num_reused_tokens, again.num_reused_tokens) == (0, 32)
+    assert prefill_llm.calls[-1][2].return_perf_metrics is True
+    decode.add_request("c1", SamplingParams(max_tokens=3), prompt_ids=prompt)
+    decode.add_request("c2", SamplingParams(max_tokens=3), prompt_ids=prompt[:40])
+    firsts = {}
+    while len(firsts) < 2:
+        for o in decode.step(wait_s=1.0):
+            if o.index == 0 and o.token_id is not None:
+                firsts[o.request_id] = o.num_reused_tokens
+    assert firsts == {"c1": 0, "c2": 32}  # another pool's cache; c2's first block was c1's
+    api = TrtllmApi.load()
+    plain = TrtllmPrefillEngine(trt.LLM("ckpt"), api, 64)
+    plain.features = dataclasses.replace(plain.features, perf_metrics=False)  # a version without
+    plain.prefill("p1", prompt, SamplingParams(max_tokens=2))
+    result, _ = plain.prefill("p2", prompt, SamplingParams(max_tokens=2))
+    assert result.num_reused_tokens == 0 and plain.llm.calls[-1][2].return_perf_metrics is False
+
+
+def test_kv_cache_events_say_which_blocks_each_pool_stored_and_evicted(trt):
+    api = TrtllmApi.load()
+    kv = {"enable_block_reuse": True, "event_buffer_max_size": 16, "max_tokens": 128}
+    prefill = TrtllmPrefillEngine(trt.LLM("ckpt", kv_cache_config=kv), api, 200)
+    prefill.prefill("r1", list(range(100)), SamplingParams(max_tokens=1))  # 3 blocks of 4
+    (stored,) = prefill.kv_cache_events()  # "created" says nothing of prefixes: skipped
+    assert stored.kind == "stored" and len(stored.block_hashes) == 3
+    assert stored.parent_hash is None  # a prefix from its start
+    assert prefill.kv_cache_events() == []  # read once
+    prefill.prefill("r2", list(range(64)) + [5] * 40, SamplingParams(max_tokens=1))
+    (grown,) = prefill.kv_cache_events()  # two blocks reused, one more stored after them
+    assert grown.parent_hash == stored.block_hashes[1] and len(grown.block_hashes) == 1
+    prefill.prefill("r3", [7] * 40, SamplingParams(max_tokens=1))  # a fifth block: one goes
+    new, removed = prefill.kv_cache_events()
+    assert removed.kind == "removed" and removed.block_hashes == stored.block_hashes[2:]
+    quiet = TrtllmDecodeEngine(trt.LLM("ckpt"), api, 2)  # no event buffer: none kept
+    quiet.add_request("c", SamplingParams(max_tokens=2), prompt_ids=list(range(40)))
+    drain(quiet, "c")
+    assert quiet.kv_cache_events() == []
+
+
+def test_a_context_nobody_collects_holds_its_blocks_until_the_transfer_times_out(trt):
+    """Prefill timed out, decode prefilled itself, the client left: the context's KV stays
+    on the prefill GPU. 1.0 has no timeout and an abort does not reach a finished context;
+    where the library has kv_transfer_timeout_ms (runtime.py sets it) the blocks go."""
+    prefill, decode, prefill_llm, _ = engines(trt)
+    params = SamplingParams(max_tokens=4)
+    prefill.prefill("lost", [1, 2, 3], params)
+    context = trt.DisaggregatedParams(request_type="context_only")
+    out = prefill_llm.generate([4, 5], trt.SamplingParams(), disaggregated_params=context)
+    out.abort()
+    assert prefill_llm.held_contexts() == 2  # 1.0: held, abort or not
+    timed = trt.LLM("ckpt", cache_transceiver_config={"backend": "ucx"})
+    timed.options["cache_transceiver_config"]["kv_transfer_timeout_ms"] = 50  # a later release
+    late = TrtllmPrefillEngine(timed, TrtllmApi.load(), 64)
+    result, handoff = late.prefill("slow", [7, 8], params)
+    assert timed.held_contexts() == 1
+    time.sleep(0.1)
+    assert timed.held_contexts() == 0  # freed on the prefill GPU
+    with pytest.raises(RuntimeError, match="KV cache transfer failed"):  # too late to collect
+        decode.add_request("slow", params, prefill=PrefillResult("slow", 0, handoff, 1, 0))
+    r, h = prefill.prefill("ok", [6], params)  # collected: freed at once
+    decode.add_request("ok", params, prefill=PrefillResult("ok", r.first_token, h, h.seed, 0))
+    drain(decode, "ok")
+    assert prefill_llm.held_contexts() == 2
+
+
+def test_the_cache_salt_goes_down_only_where_the_library_takes_one(trt):
+    """The gateway salts each API key's prompts; 1.0's generate has no cache_salt (the
+    double refuses it, as a TypeError), later ones do: there a request that may not use the
+    cache gets a namespace of its own."""
+    prefill, decode, prefill_llm, _ = engines(trt)
+    salted = SamplingParams(max_tokens=2, cache_salt="key-a")
+    prefill.prefill("r1", [1, 2], salted)  # no cache_salt keyword reached the 1.0 double
+    assert not prefill.features.cache_salt
+
+    class Salted(trt.LLM):
+        def generate(self, inputs, sampling_params=None, use_tqdm=True,
+                     disaggregated_params=None, cache_salt=None):  # fmt: skip
+            self.salts = [*getattr(self, "salts", []), cache_salt]
+            return super().generate(inputs, sampling_params, use_tqdm, disaggregated_params)
+
+        def generate_async(self, inputs, sampling_params=None, streaming=False,
+                           disaggregated_params=None, cache_salt=None):  # fmt: skip
+            self.salts = [*getattr(self, "salts", []), cache_salt]
+            return super().generate_async(inputs, sampling_params, streaming, disaggregated_params)
+
+    llm = Salted("ckpt")
+    engine = TrtllmPrefillEngine(llm, TrtllmApi.load(), 64)
+    assert engine.features.cache_salt
+    _, handoff = engine.prefill("r2", [1, 2], salted)
+    engine.prefill("r3", [1, 2], SamplingParams(max_tokens=2, use_cache=False))
+    engine.prefill("r4", [1, 2], SamplingParams(max_tokens=2))
+    assert llm.salts == ["key-a", "no-reuse:r3", None]
+    wire = payload.from_bytes(payload.to_bytes(handoff))  # the generation half: the same salt
+    assert wire.cache_salt == "key-a"
+    gen = TrtllmDecodeEngine(Salted("ckpt"), TrtllmApi.load(), 2)
+    params = SamplingParams(max_tokens=2, cache_salt="key-a")
+    gen.add_request("r2", params, prefill=PrefillResult("r2", 3, wire, wire.seed, 0))
+    drain(gen, "r2")
+    assert gen.llm.salts == ["key-a"]

@@ -96,8 +96,11 @@ def test_a_build_writes_options_the_llm_api_accepts_and_settings_serve_loads(
     assert "enable_chunked_prefill" not in prefill  # 8192 >= 4096: whole prompts fit
     assert decode["kv_cache_config"] == {
         "free_gpu_memory_fraction": 0.85,
+        "enable_block_reuse": True,  # prefix caching on both pools, with events for a router
+        "event_buffer_max_size": 1024,
         "host_cache_size": 4 << 30,  # KV offload to host memory, asked for
     }
+    assert prefill["kv_cache_config"]["enable_block_reuse"] is True
     settings = ServeSettings.load(out / "serve.toml", env={})
     assert settings.engine_backend == "tensorrt_llm"
     assert settings.trtllm_decode_model == str(checkpoint) and settings.decode_max_num_seqs == 64
@@ -127,7 +130,8 @@ def test_pools_sharing_a_gpu_get_fractions_that_fit_together(tmp_path, checkpoin
     r = run("--checkpoint", str(checkpoint), "--out", str(out), "--decode-devices", "0",
             "--prefill-kv-fraction", "0.5", "--decode-kv-fraction", "0.5")  # fmt: skip
     assert r.returncode == 2 and "sum under 0.95" in r.stderr
-    r = run("--checkpoint", str(checkpoint), "--out", str(out), "--decode-tp", "2")
+    r = run("--checkpoint", str(checkpoint), "--out", str(out), "--decode-tp", "2",
+            "--decode-devices", "1")  # fmt: skip
     assert r.returncode == 2 and "2 GPU(s)" in r.stderr
 
 
@@ -184,6 +188,81 @@ def test_tensorrt_llm_pools_are_one_process_each():
         ServeSettings(engine_backend="tensorrt_llm", decode_instances=2)
 
 
+def test_kv_reuse_can_be_turned_off(tmp_path, checkpoint, trt):
+    out = tmp_path / "o"
+    r = run("--checkpoint", str(checkpoint), "--out", str(out), "--no-kv-reuse")
+    assert r.returncode == 0, r.stderr
+    for role in ("prefill", "decode"):
+        options = yaml.safe_load((out / f"{role}.yaml").read_text())
+        kv = options["kv_cache_config"]
+        assert kv["enable_block_reuse"] is False and kv["event_buffer_max_size"] == 0
+        trt.LLM("ckpt", **{k: v for k, v in options.items() if k != "cache_transceiver_config"})
+
+
+def _fake_nvidia_smi(tmp_path, num_gpus: int) -> dict:
+    """An environment whose nvidia-smi lists `num_gpus` GPUs, as the real one does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo {i}\n" for i in range(num_gpus)))
+    smi.chmod(0o755)
+    import os
+
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_the_build_counts_the_gpus_and_refuses_ones_the_machine_lacks(tmp_path, checkpoint):
+    """The documented build on a one-GPU machine wrote decode on GPU 1: its process saw no
+    GPU and the server exited. Now the defaults follow the count, and a list naming a GPU
+    that is not there fails the build with the fix."""
+    out = tmp_path / "o"
+    env = _fake_nvidia_smi(tmp_path, 1)
+    args = [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint), "--out", str(out)]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "# GPUs: 1 on the serving machine" in r.stdout
+    s = ServeSettings.load(out / "serve.toml", env={})
+    assert (s.trtllm_prefill_devices, s.trtllm_decode_devices) == ("0", "0")  # shared
+    assert s.conditional_remote_stall == 0.5
+    r = subprocess.run([*args, "--decode-devices", "1"], env=env, capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "names GPU(s) [1], but this machine has 1" in r.stderr
+    r = run("--checkpoint", str(checkpoint), "--out", str(out), "--num-gpus", "2")
+    assert r.returncode == 0, r.stderr
+    assert ServeSettings.load(out / "serve.toml", env={}).trtllm_decode_devices == "1"
+    r = run("--checkpoint", str(checkpoint), "--out", str(out), "--num-gpus", "2",
+            "--decode-tp", "2")  # fmt: skip
+    assert r.returncode == 0, r.stderr  # 1 + 2 > 2: decode shares GPUs 0-1 with prefill
+    assert ServeSettings.load(out / "serve.toml", env={}).trtllm_decode_devices == "0,1"
+
+
+def test_serve_refuses_pool_gpus_the_machine_lacks_before_starting_triton(
+    tmp_path, engine_dir, monkeypatch
+):
+    from disagg.errors import ConfigError
+    from disagg.serve.server import TritonServer, check_pool_gpus
+    from disagg.trtllm import gpus
+
+    s = ServeSettings(engine_backend="tensorrt_llm", engine_dir=str(engine_dir),
+                      trtllm_prefill_devices="0", trtllm_decode_devices="1",
+                      build_dir=str(tmp_path / "build"))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"trtllm_decode_devices names GPU\(s\) \[1\]"):
+        check_pool_gpus(s, count=lambda: 1)
+    check_pool_gpus(s, count=lambda: 2)
+    with pytest.raises(ConfigError, match="no NVIDIA GPU can be counted"):
+        check_pool_gpus(s, count=lambda: None)
+    remote = ServeSettings(engine_backend="tensorrt_llm", role="frontend",
+                           prefill_replicas="a:1", decode_replicas="b:1",
+                           trtllm_decode_devices="7")  # fmt: skip
+    check_pool_gpus(remote, count=lambda: None)  # its pools run elsewhere
+    monkeypatch.setattr(gpus, "count_gpus", lambda: 1)
+    with pytest.raises(ConfigError, match="rebuild with build_engines"):
+        TritonServer(s).start()  # before any tritonserver process
+    assert s.startup_budget_s == 1200 and remote.startup_budget_s == 180
+    assert ServeSettings().startup_budget_s == 180
+    assert ServeSettings(startup_timeout_s=42).startup_budget_s == 42
+
+
 def _params(tmp_path, options: dict, **extra) -> ModelParams:
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(options))
     raw = {
@@ -195,8 +274,17 @@ def _params(tmp_path, options: dict, **extra) -> ModelParams:
         "trtllm_decode_devices": "",
         "max_model_len": "512",
         "decode_max_num_seqs": "3",
+        "kv_lease_s": "30",
     }
     return ModelParams({**raw, **extra})
+
+
+@pytest.fixture(autouse=True)
+def four_gpus(monkeypatch):
+    """The pools' processes count the GPUs before loading: four, unless a test says."""
+    from disagg.trtllm import gpus
+
+    monkeypatch.setattr(gpus, "count_gpus", lambda: 4)
 
 
 def test_runtime_builds_each_pool_with_its_options(tmp_path, trt, monkeypatch):
@@ -206,6 +294,7 @@ def test_runtime_builds_each_pool_with_its_options(tmp_path, trt, monkeypatch):
     options = {"max_batch_size": 8, "kv_cache_config": {"free_gpu_memory_fraction": 0.5}}
     pre = prefill_engine(_params(tmp_path, options))
     assert pre.llm.model == "/ckpt" and pre.llm.options == options
+    assert isinstance(pre.llm.options["kv_cache_config"], dict)  # pydantic's to validate
     assert pre.max_prompt_tokens == 511
     dec = decode_engine(_params(tmp_path, options, trtllm_decode_devices="3"))
     assert dec.max_num_seqs == 3
@@ -247,6 +336,9 @@ def test_the_transceiver_backend_is_spelled_as_the_installed_version_wants(
         ({"max_num_tokens": 256}, {}, "max_num_tokens 256 is under max_model_len 512"),
         ({"tensor_parallel_size": 2}, {"trtllm_prefill_devices": "0"}, "names 1"),
         ({}, {"trtllm_prefill_devices": "gpu0"}, "GPU indexes"),
+        ({}, {"trtllm_prefill_devices": "5"}, r"names GPU\(s\) \[5\], but this machine has 4"),
+        ({"kv_cache_config": {"enable_block_resue": True}}, {}, "extra inputs"),
+        ({"kv_cache_config": {"event_buffer_max_size": "1k"}}, {}, "valid int"),
     ],
 )
 def test_options_the_library_or_the_pool_cannot_take_fail_at_load(
@@ -256,3 +348,49 @@ def test_options_the_library_or_the_pool_cannot_take_fail_at_load(
 
     with pytest.raises(Exception, match=message):
         prefill_engine(_params(tmp_path, options, **extra))
+
+
+def test_options_go_through_upstreams_extra_dict_and_each_pool_gets_its_own_mpi_world(
+    tmp_path, trt, monkeypatch
+):
+    """Nested configs that need building (here moe_config) are built the way upstream's
+    Triton model builds them; an MPI job the server was started in is left behind (its
+    ranks' variables would make the pool join it), MPI settings kept."""
+    from types import SimpleNamespace
+
+    from disagg.trtllm.runtime import isolate_from_mpi_job, prefill_engine, prepare_process
+
+    options = {"moe_config": {"backend": "CUTLASS"}, "kv_cache_config": {"max_tokens": 64}}
+    llm = prefill_engine(_params(tmp_path, options)).llm
+    assert isinstance(llm.options["moe_config"], SimpleNamespace)
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "PMIX_RANK": "3",
+           "PMI_SIZE": "4", "OMPI_MCA_btl": "tcp,self", "PMIX_MCA_gds": "hash",
+           "ORTE_HNP_URI": "x", "PATH": "/bin"}  # fmt: skip
+    assert isolate_from_mpi_job(dict(env)) == sorted(
+        ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE", "ORTE_HNP_URI"]
+    )
+    prepare_process("1", env)
+    assert env == {"OMPI_MCA_btl": "tcp,self", "PMIX_MCA_gds": "hash", "PATH": "/bin",
+                   "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}  # fmt: skip
+
+
+def test_the_context_transfer_timeout_is_set_where_the_library_has_one(tmp_path, trt, monkeypatch):
+    """1.0's CacheTransceiverConfig has backend and max_tokens_in_buffer only (the field
+    would be refused there); later releases take kv_transfer_timeout_ms: prefill's contexts
+    then free their blocks after disagg's KV lease."""
+    from tensorrt_llm.llmapi import llm_args
+
+    from disagg.trtllm.runtime import decode_engine, prefill_engine
+
+    options = {"cache_transceiver_config": {"backend": "UCX"}}
+    llm = prefill_engine(_params(tmp_path, options)).llm
+    assert "kv_transfer_timeout_ms" not in llm.options["cache_transceiver_config"]  # 1.0
+    field = llm_args.CacheTransceiverConfig.model_fields["backend"]
+    monkeypatch.setattr(llm_args.CacheTransceiverConfig, "model_fields",
+                        {"backend": field, "kv_transfer_timeout_ms": object()})  # fmt: skip
+    monkeypatch.setattr(llm_args, "TRANSCEIVER_FIELDS",
+                        llm_args.TRANSCEIVER_FIELDS | {"kv_transfer_timeout_ms"})  # fmt: skip
+    llm = prefill_engine(_params(tmp_path, options)).llm
+    assert llm.options["cache_transceiver_config"]["kv_transfer_timeout_ms"] == 30_000
+    llm = decode_engine(_params(tmp_path, options)).llm  # the generation side waits as before
+    assert "kv_transfer_timeout_ms" not in llm.options["cache_transceiver_config"]

@@ -14,6 +14,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,27 @@ def internal_token(s: ServeSettings) -> str:
     return shared
 
 
+def check_pool_gpus(s: ServeSettings, count: Callable[[], int | None] | None = None) -> None:
+    """TensorRT-LLM pools this server runs name only GPUs the machine has: else a pool's
+    process sees no GPU, its load fails and `--exit-on-error` ends the whole server."""
+    if s.engine_backend != "tensorrt_llm":
+        return
+    from disagg.trtllm import gpus
+
+    local = role_models(s.role, s.prefill_replicas, s.decode_replicas)
+    pools = [p for p in ("prefill", "decode") if p in local]
+    named = {p: gpus.parse_devices(getattr(s, f"trtllm_{p}_devices"), p) for p in pools}
+    if not any(named.values()):
+        return
+    num_gpus = (count or gpus.count_gpus)()
+    for pool, ids in named.items():
+        gpus.check_exist(
+            ids, num_gpus, f"setting trtllm_{pool}_devices",
+            f"set it (DISAGG_TRTLLM_{pool.upper()}_DEVICES or serve.toml) to GPUs that exist, "
+            f"or rebuild with build_engines/build_trtllm_engine.py on this machine",
+        )  # fmt: skip
+
+
 class TritonServer:
     def __init__(self, settings: ServeSettings, admin_key: str | None = None) -> None:
         self.settings = settings
@@ -141,6 +163,7 @@ class TritonServer:
         if not engine_cfg.is_file():
             raise ConfigError(f"{engine_cfg} not found: build the engine first (make engine)")
         s = self.settings
+        check_pool_gpus(s)
         install = triton_install.from_settings(
             s.triton_server, s.triton_backends, self.build_dir / "backends"
         )
@@ -191,8 +214,10 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def wait_ready(self, timeout_s: float = 180.0) -> None:
-        """Wait until every model is ready, then start supervising the stub processes."""
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until every model is ready (at most the settings' startup budget), then start
+        supervising the stub processes."""
+        timeout_s = self.settings.startup_budget_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:

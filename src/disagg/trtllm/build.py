@@ -25,6 +25,9 @@ from disagg.settings import ROOT
 TRANSCEIVERS = ("UCX", "NIXL", "DEFAULT")  # written uppercase; runtime.py respells per version
 SHARED_GPU_FRACTIONS = {"prefill": 0.3, "decode": 0.55}  # both pools on one GPU: sum < 0.9
 OWN_GPU_FRACTION = 0.85
+# KV cache events kept for a router between reads (what Dynamo's KV-aware routing configures
+# for TensorRT-LLM); the oldest go first when nobody reads them
+KV_EVENT_BUFFER = 1024
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class BuildSpec:
     dtype: str = "auto"
     max_seq_len: int = 4096
     transceiver: str = "UCX"
+    # KV block reuse (prefix caching) on both pools, with KV cache events for a router
+    kv_reuse: bool = True
     prefill: PoolSpec = PoolSpec(max_batch_size=8, max_num_tokens=8192, devices=(0,))
     decode: PoolSpec = field(
         default_factory=lambda: PoolSpec(max_batch_size=128, max_num_tokens=512, devices=(1,))
@@ -92,7 +97,14 @@ class BuildSpec:
 
 def llm_api_options(spec: BuildSpec, role: str) -> dict[str, Any]:
     pool = spec.pool(role)
-    kv_cache: dict[str, float | int] = {"free_gpu_memory_fraction": spec.fraction(role)}
+    kv_cache: dict[str, float | int | bool] = {
+        "free_gpu_memory_fraction": spec.fraction(role),
+        # 1.0's default is on; written down so the build says what the pools do, and off
+        # with --no-kv-reuse (a prompt's blocks then serve it alone)
+        "enable_block_reuse": spec.kv_reuse,
+        # 0 keeps no events; upstream emits them only with reuse on
+        "event_buffer_max_size": KV_EVENT_BUFFER if spec.kv_reuse else 0,
+    }
     if pool.host_cache_gb > 0:
         # blocks evicted from GPU memory stay reusable in host memory (secondary pool)
         kv_cache["host_cache_size"] = int(pool.host_cache_gb * 2**30)

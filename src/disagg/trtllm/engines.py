@@ -10,6 +10,10 @@
 TrtllmDecodeEngine keeps DecodeEngine's interface (add_request / finish_request / step /
 has_unfinished / stats), so DecodeService and the decode model drive it unchanged: one thread
 per request reads TensorRT-LLM's stream into a queue, and `step()` drains it.
+
+Both pools reuse KV blocks across requests (prefix caching, kv_events.py): each engine reports
+the prompt tokens a request found cached (num_reused_tokens) and its pool's KV cache events
+(`kv_cache_events()`), for a router that sends a prompt where its prefix already is.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from disagg.contracts import DecodeStats
 from disagg.engine.llm_engine import PrefillResult, TokenOutput, resolve_seed
 from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.errors import CapacityError, RequestError
+from disagg.trtllm.kv_events import KvCacheEvent, RequestFeatures, read_events
 from disagg.trtllm.payload import TrtllmHandoff, params_to_dict
 
 if TYPE_CHECKING:  # (tensorrt_llm has no types: Any to mypy, names to readers)
@@ -55,7 +60,11 @@ class TrtllmApi:
 
 
 def trt_sampling(
-    api: TrtllmApi, params: SamplingParams, seed: int, max_tokens: int | None = None
+    api: TrtllmApi,
+    params: SamplingParams,
+    seed: int,
+    max_tokens: int | None = None,
+    perf_metrics: bool = False,
 ) -> tensorrt_llm.SamplingParams:
     """Our sampling parameters in the LLM API's terms.
 
@@ -82,14 +91,27 @@ def trt_sampling(
                 "(its bad_token_ids bans single tokens)"
             )
         kwargs["bad_token_ids"] = [words[0] for words in params.bad_words_ids]
+    if perf_metrics:  # where the installed SamplingParams has it: KV reuse per request
+        kwargs["return_perf_metrics"] = True
     return api.SamplingParams(**kwargs)
 
 
 class TrtllmPrefillEngine:
-    def __init__(self, llm: tensorrt_llm.LLM, api: TrtllmApi, max_prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        llm: tensorrt_llm.LLM,
+        api: TrtllmApi,
+        max_prompt_tokens: int,
+        features: RequestFeatures | None = None,
+    ) -> None:
         self.llm = llm
         self.api = api
         self.max_prompt_tokens = max_prompt_tokens
+        self.features = features or RequestFeatures.of(llm, api.SamplingParams, {})
+
+    def kv_cache_events(self, timeout_s: float = 0.0) -> list[KvCacheEvent]:
+        """Blocks this pool stored or evicted since the last call."""
+        return read_events(self.llm, timeout_s)
 
     def prefill(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
@@ -99,18 +121,25 @@ class TrtllmPrefillEngine:
         if len(prompt_ids) > self.max_prompt_tokens:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens over {self.max_prompt_tokens}")
         seed = resolve_seed(params)
+        salt = self.features.salt(request_id, params.cache_salt, params.use_cache)
         start = time.perf_counter()
         out = self.llm.generate(
             prompt_ids,
-            sampling_params=trt_sampling(self.api, params, seed, max_tokens=1),
+            sampling_params=trt_sampling(
+                self.api, params, seed, max_tokens=1, perf_metrics=self.features.perf_metrics
+            ),
             use_tqdm=False,  # the default draws a progress bar per call on the server's stderr
             disaggregated_params=self.api.DisaggregatedParams(request_type="context_only"),
+            **salt,
         )
         completion = out.outputs[0]
         if not completion.token_ids or completion.disaggregated_params is None:
             raise RuntimeError("TensorRT-LLM returned no first token or no disaggregated params")
         handoff = TrtllmHandoff(
-            list(prompt_ids), seed, params_to_dict(completion.disaggregated_params)
+            list(prompt_ids),
+            seed,
+            params_to_dict(completion.disaggregated_params),
+            salt.get("cache_salt", ""),
         )
         # kv None: the K/V moves through TensorRT-LLM's transceiver; `handoff` names it
         result = PrefillResult(
@@ -119,15 +148,23 @@ class TrtllmPrefillEngine:
             None,  # type: ignore[arg-type]  # (PrefillResult.kv types PyTorch's payload)
             seed,
             time.perf_counter() - start,
+            num_reused_tokens=self.features.reused_tokens(out, len(prompt_ids)),
         )
         return result, handoff
 
 
 class TrtllmDecodeEngine:
-    def __init__(self, llm: tensorrt_llm.LLM, api: TrtllmApi, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        llm: tensorrt_llm.LLM,
+        api: TrtllmApi,
+        max_num_seqs: int,
+        features: RequestFeatures | None = None,
+    ) -> None:
         self.llm = llm
         self.api = api
         self.max_num_seqs = max_num_seqs
+        self.features = features or RequestFeatures.of(llm, api.SamplingParams, {})
         self._events: queue.Queue[TokenOutput] = queue.Queue()
         self._streams: dict[str, Any] = {}  # request id -> TensorRT-LLM result (abortable)
         self._lock = threading.Lock()
@@ -138,6 +175,10 @@ class TrtllmDecodeEngine:
 
     def stats(self) -> DecodeStats:
         return DecodeStats(num_running=len(self._streams), num_waiting=0)
+
+    def kv_cache_events(self, timeout_s: float = 0.0) -> list[KvCacheEvent]:
+        """Blocks this pool stored or evicted since the last call."""
+        return read_events(self.llm, timeout_s)
 
     def add_request(
         self,
@@ -154,34 +195,47 @@ class TrtllmDecodeEngine:
                 # prefill_result (pipeline/local.py) put the TrtllmHandoff there
                 handoff: TrtllmHandoff = prefill.kv  # type: ignore[assignment]
                 fields = {**handoff.params, "request_type": "generation_only"}
+                # the context's salt, so both halves hash the prompt's blocks alike
+                salt = {"cache_salt": handoff.cache_salt} if handoff.cache_salt else {}
                 result = self.llm.generate_async(
                     handoff.prompt_ids,
                     sampling_params=trt_sampling(self.api, params, handoff.seed),
                     disaggregated_params=self.api.DisaggregatedParams(**fields),
                     streaming=True,
+                    **salt,
                 )
+                prompt_len = len(handoff.prompt_ids)
             else:  # co-located / fallback: TensorRT-LLM runs the whole request here
                 if not prompt_ids:
                     raise RequestError("empty prompt")
+                salt = self.features.salt(request_id, params.cache_salt, params.use_cache)
                 result = self.llm.generate_async(
                     prompt_ids,
-                    sampling_params=trt_sampling(self.api, params, resolve_seed(params)),
+                    sampling_params=trt_sampling(
+                        self.api,
+                        params,
+                        resolve_seed(params),
+                        perf_metrics=self.features.perf_metrics,
+                    ),
                     streaming=True,
+                    **salt,
                 )
+                prompt_len = len(prompt_ids)
             self._streams[request_id] = result
         # generation_only output starts with the context's first token, which the
         # orchestrator already has from prefill
         skip = 1 if prefill is not None else 0
         threading.Thread(
             target=self._pump,
-            args=(request_id, result, skip),
+            args=(request_id, result, skip, prompt_len),
             name=f"trtllm-{request_id[:8]}",
             daemon=True,
         ).start()
 
-    def _pump(self, request_id: str, result: RequestOutput, skip: int) -> None:
+    def _pump(self, request_id: str, result: RequestOutput, skip: int, prompt_len: int) -> None:
         """Cumulative streaming outputs -> one TokenOutput per new token (output index i, the
-        first `skip` left out), then the finish."""
+        first `skip` left out; token 0 says how much of the prompt was cached), then the
+        finish."""
         seen = 0  # tokens of the cumulative output already handled
         reason = FinishReason.ABORT
         try:
@@ -189,7 +243,8 @@ class TrtllmDecodeEngine:
                 completion = out.outputs[0]
                 tokens = completion.token_ids
                 for i in range(max(seen, skip), len(tokens)):
-                    self._events.put(TokenOutput(request_id, int(tokens[i]), i, None))
+                    reused = self.features.reused_tokens(out, prompt_len) if i == 0 else 0
+                    self._events.put(TokenOutput(request_id, int(tokens[i]), i, None, reused))
                 seen = len(tokens)
                 if completion.finish_reason:
                     reason = FINISH.get(completion.finish_reason, FinishReason.STOP)

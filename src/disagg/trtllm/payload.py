@@ -1,6 +1,7 @@
 """The TensorRT-LLM hand-off as bytes: what travels in the orchestrator's `kv_payload`.
 
-    b"DGTRT1" + JSON {"prompt_ids": [...], "seed": int, "params": {field: value}}
+    b"DGTRT1" + JSON {"prompt_ids": [...], "seed": int, "params": {field: value},
+                      "cache_salt": str (only when the context request had one)}
 
 `params` holds every field of TensorRT-LLM's DisaggregatedParams as it was returned by the
 context request (bytes fields such as `opaque_state` as {"b64": ...}), so fields added in
@@ -25,6 +26,8 @@ class TrtllmHandoff:
     prompt_ids: list[int]
     seed: int
     params: dict[str, Any]  # DisaggregatedParams fields, as the library returned them
+    # the context request's cache_salt: the generation half hashes the same blocks the same way
+    cache_salt: str = ""
 
 
 def params_to_dict(params: object) -> dict[str, Any]:
@@ -53,7 +56,9 @@ def _decode(value: object) -> object:
 
 def to_bytes(h: TrtllmHandoff) -> bytes:
     params = {k: _encode(v) for k, v in h.params.items()}
-    body = {"prompt_ids": h.prompt_ids, "seed": h.seed, "params": params}
+    body: dict[str, Any] = {"prompt_ids": h.prompt_ids, "seed": h.seed, "params": params}
+    if h.cache_salt:
+        body["cache_salt"] = h.cache_salt
     return MAGIC + json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -71,6 +76,7 @@ def from_bytes(data: bytes | memoryview) -> TrtllmHandoff:
             prompt_ids=[int(t) for t in body["prompt_ids"]],
             seed=int(body["seed"]),
             params={k: _decode(v) for k, v in body["params"].items()},
+            cache_salt=str(body.get("cache_salt", "")),
         )
     except (ValueError, KeyError, TypeError) as e:
         raise KVPayloadError(f"damaged TensorRT-LLM hand-off: {e}") from e

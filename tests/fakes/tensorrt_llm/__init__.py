@@ -8,10 +8,19 @@ the context's first token, and streams cumulative outputs. Tokens are a determin
 of the prompt, so a disaggregated run can be compared with a co-located one.
 
 And it refuses what the real library refuses (TensorRT-LLM 1.0, checked against its source):
-`LLM(**options)` with a key outside the LLM-API argument set or a transceiver backend of the
-wrong case (llmapi/llm_args.py), SamplingParams with an unknown field (a kw-only dataclass
-upstream too), and a prompt longer than max_num_tokens that is not generation-only, unless
+`LLM(**options)` with a key outside the LLM-API argument set, a nested config field that is
+not one, or a transceiver backend of the wrong case (llmapi/llm_args.py); SamplingParams
+with an unknown field (a kw-only dataclass upstream too); a generate keyword 1.0 lacks
+(`cache_salt`); and a prompt longer than max_num_tokens that is not generation-only, unless
 chunked prefill is on (llmapi/llm.py, _check_arguments).
+
+It fails the way the real one fails where disagg must cope: a context whose generation half
+never comes keeps its KV blocks held (`held_contexts`) until the transfer ends; an abort of
+the finished context request does not free them (1.0's pyexecutor); only a
+`cache_transceiver_config.kv_transfer_timeout_ms` does, on versions that have the field
+(tests switch it on in llm_args). KV block reuse keeps whole 32-token prompt blocks, LRU,
+bounded by `kv_cache_config.max_tokens`, and reports them as KV cache events shaped like
+_utils.py's KVCacheEventSerializer output.
 """
 
 from __future__ import annotations
@@ -20,13 +29,16 @@ import itertools
 import threading
 import time
 import typing
+from collections import OrderedDict
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from tensorrt_llm.llmapi import DisaggregatedParams, llm_args
 
 __all__ = ["LLM", "SamplingParams", "DisaggregatedParams"]
 __version__ = "1.0.0"
 VOCAB = 1000
+TOKENS_PER_BLOCK = 32
 
 
 @dataclass(slots=True, kw_only=True)
@@ -47,6 +59,7 @@ class SamplingParams:
     temperature: float | None = None
     ignore_eos: bool = False
     detokenize: bool = True
+    return_perf_metrics: bool = False  # "keep in sync with tllme.OutputConfig" upstream
 
     @property
     def _greedy_decoding(self) -> bool:  # upstream 1.0's rule: temperature does not count
@@ -58,11 +71,15 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     disaggregated_params: DisaggregatedParams | None = None
+    request_perf_metrics: object | None = None  # with SamplingParams.return_perf_metrics
 
 
 @dataclass
 class RequestOutput:
     outputs: list[CompletionOutput]
+
+    def abort(self) -> None:
+        """A finished request: nothing to abort (a held context stays held)."""
 
 
 def next_token(prev: int) -> int:
@@ -73,27 +90,36 @@ def first_token(prompt: list[int]) -> int:
     return sum(prompt) % VOCAB
 
 
+def perf_metrics(num_reused_blocks: int) -> SimpleNamespace:
+    return SimpleNamespace(kv_cache_metrics=SimpleNamespace(num_reused_blocks=num_reused_blocks))
+
+
 class GenerationResult:
-    def __init__(self, tokens: list[int], max_tokens: int, stop: set[int]) -> None:
-        self.tokens, self.max_tokens, self.stop = tokens, max_tokens, stop
+    def __init__(self, tokens: list[int], sp: SamplingParams, reused_blocks: int) -> None:
+        self.tokens, self.max_tokens = tokens, sp.max_tokens
+        self.stop = set(sp.stop_token_ids or ())
+        self.metrics = perf_metrics(reused_blocks) if sp.return_perf_metrics else None
         self.aborted = threading.Event()
 
     def abort(self) -> None:
         self.aborted.set()
 
+    def _out(self, tokens: list[int], reason: str | None) -> RequestOutput:
+        return RequestOutput([CompletionOutput(list(tokens), reason, None, self.metrics)])
+
     def __iter__(self):
         out: list[int] = []
         for t in self.tokens:
             if self.aborted.is_set():
-                yield RequestOutput([CompletionOutput(list(out), "cancelled")])
+                yield self._out(out, "cancelled")
                 return
             out.append(t)
             if t in self.stop:
-                yield RequestOutput([CompletionOutput(list(out), "stop")])
+                yield self._out(out, "stop")
                 return
             done = len(out) >= self.max_tokens
             time.sleep(0.002)  # a token takes a while, as on a GPU
-            yield RequestOutput([CompletionOutput(list(out), "length" if done else None)])
+            yield self._out(out, "length" if done else None)
             if done:
                 return
 
@@ -109,6 +135,10 @@ def _check_options(options: dict) -> None:
         extra = set(options.get(key) or {}) - allowed
         if extra:
             raise ValueError(f"{key}: extra inputs are not permitted: {sorted(extra)}")
+    kv = options.get("kv_cache_config") or {}
+    for name, kind in (("enable_block_reuse", bool), ("event_buffer_max_size", int)):
+        if name in kv and not isinstance(kv[name], kind):
+            raise ValueError(f"kv_cache_config.{name}: input should be a valid {kind.__name__}")
     backend = (options.get("cache_transceiver_config") or {}).get("backend")
     annotation = llm_args.CacheTransceiverConfig.model_fields["backend"].annotation
     literal = next(a for a in typing.get_args(annotation) if a is not type(None))
@@ -116,17 +146,88 @@ def _check_options(options: dict) -> None:
         raise ValueError(f"cache_transceiver_config.backend: input should be {literal}")
 
 
+@dataclass
+class _Context:
+    """A finished context request whose KV waits for its generation half."""
+
+    prompt: list[int]
+    state: bytes
+    owner: LLM
+    created: float
+
+
 class LLM:
     instances: list[LLM] = []
-    # what the cache transceiver would carry between executors: context id -> (prompt, state)
-    contexts: dict[int, tuple[list[int], bytes]] = {}
+    # what the cache transceiver would carry between executors: context id -> its KV
+    contexts: dict[int, _Context] = {}
 
     def __init__(self, model: str, **options) -> None:
         _check_options(options)
         self.model, self.options = model, options
         self.calls: list[tuple[str, list[int], SamplingParams, DisaggregatedParams | None]] = []
-        self._ids = itertools.count(1000)
+        self._ids = itertools.count(1000 + 1000 * len(LLM.instances))
+        kv = options.get("kv_cache_config") or {}
+        self._reuse = kv.get("enable_block_reuse", True)  # 1.0's default: on
+        self._event_buffer = kv.get("event_buffer_max_size", 0)
+        limit = kv.get("max_tokens")
+        self._max_blocks = limit // TOKENS_PER_BLOCK if limit else None
+        self._blocks: OrderedDict[int, None] = OrderedDict()  # reusable, oldest first
+        self._events: list[dict] = []
+        self._event_ids = itertools.count()
+        self._emit({"type": "created", "num_blocks_per_cache_level": [self._max_blocks or 0, 0]})
         LLM.instances.append(self)
+
+    # ---------------------------------------------------------------- KV block reuse
+    def _emit(self, data: dict) -> None:
+        if self._reuse and self._event_buffer > 0:
+            self._events.append({"event_id": next(self._event_ids), "data": data})
+            del self._events[: -self._event_buffer]
+
+    def _store_prompt(self, prompt: list[int]) -> int:
+        """Keep the prompt's whole blocks for reuse: how many were already kept."""
+        if not self._reuse:
+            return 0
+        reused, parent, new, first_parent = 0, None, [], None
+        for end in range(TOKENS_PER_BLOCK, len(prompt) + 1, TOKENS_PER_BLOCK):
+            block = prompt[end - TOKENS_PER_BLOCK : end]
+            h = hash((parent, tuple(block)))
+            if not new and h in self._blocks:
+                reused, first_parent = reused + 1, h
+                self._blocks.move_to_end(h)
+            else:
+                new.append((h, block))
+            parent = h
+        if new:
+            for h, _ in new:
+                self._blocks[h] = None
+            blocks = [{"type": "stored_block", "block_hash": h, "tokens": t} for h, t in new]
+            self._emit({"type": "stored", "parent_hash": first_parent, "blocks": blocks})
+        while self._max_blocks is not None and len(self._blocks) > self._max_blocks:
+            gone, _ = self._blocks.popitem(last=False)
+            self._emit({"type": "removed", "block_hashes": [gone]})
+        return reused
+
+    def get_kv_cache_events(self, timeout: float | None = 2) -> list[dict]:
+        events, self._events = self._events, []
+        return events
+
+    # ---------------------------------------------------------------- disaggregation
+    def _transfer_timeout_s(self) -> float | None:
+        ms = (self.options.get("cache_transceiver_config") or {}).get("kv_transfer_timeout_ms")
+        return ms / 1000 if ms else None
+
+    def held_contexts(self) -> int:
+        """Contexts of this executor whose KV blocks are still held for a transfer."""
+        LLM._expire()
+        return sum(1 for c in LLM.contexts.values() if c.owner is self)
+
+    @classmethod
+    def _expire(cls) -> None:
+        now = time.monotonic()
+        for ctx, c in list(cls.contexts.items()):
+            timeout = c.owner._transfer_timeout_s()
+            if timeout is not None and now - c.created > timeout:
+                del cls.contexts[ctx]
 
     def _check_arguments(self, prompt: list[int], params: DisaggregatedParams | None) -> None:
         gen_only = params is not None and params.request_type == "generation_only"
@@ -155,12 +256,13 @@ class LLM:
         self._check_arguments(list(inputs), disaggregated_params)
         self.calls.append(("generate", list(inputs), sp, disaggregated_params))
         self.last_use_tqdm = use_tqdm
+        reused = self._store_prompt(list(inputs))
         tokens = self._tokens(list(inputs), sp.max_tokens)
         params = None
         if disaggregated_params is not None and disaggregated_params.request_type == "context_only":
             ctx = next(self._ids)
             state = bytes([ctx % 256, 0, 255]) + b"kv-at-" + str(ctx).encode()
-            self.contexts[ctx] = (list(inputs), state)
+            self.contexts[ctx] = _Context(list(inputs), state, self, time.monotonic())
             params = DisaggregatedParams(
                 request_type="context_only",
                 first_gen_tokens=[tokens[0]],
@@ -168,7 +270,8 @@ class LLM:
                 opaque_state=state,
             )
             tokens = tokens[:1]
-        return RequestOutput([CompletionOutput(tokens, "length", params)])
+        metrics = perf_metrics(reused) if sp.return_perf_metrics else None
+        return RequestOutput([CompletionOutput(tokens, "length", params, metrics)])
 
     def generate_async(
         self, inputs, sampling_params=None, streaming=False, disaggregated_params=None
@@ -179,10 +282,16 @@ class LLM:
         if disaggregated_params is not None:
             if disaggregated_params.request_type != "generation_only":
                 raise ValueError("generate_async here takes generation_only requests")
+            LLM._expire()
             ctx = self.contexts.get(disaggregated_params.ctx_request_id)
-            if ctx is None or ctx != (list(inputs), disaggregated_params.opaque_state):
+            if ctx is None or (ctx.prompt, ctx.state) != (
+                list(inputs),
+                disaggregated_params.opaque_state,
+            ):
                 raise RuntimeError("KV cache transfer failed: unknown context or state")
             if disaggregated_params.first_gen_tokens != [first_token(list(inputs))]:
                 raise RuntimeError("first_gen_tokens do not match the context")
+            del self.contexts[disaggregated_params.ctx_request_id]  # transferred: freed there
+        reused = self._store_prompt(list(inputs)) if disaggregated_params is None else 0
         tokens = self._tokens(list(inputs), sp.max_tokens)
-        return GenerationResult(tokens, sp.max_tokens, set(sp.stop_token_ids or ()))
+        return GenerationResult(tokens, sp, reused)
