@@ -140,3 +140,29 @@ def test_a_burst_of_prompts_beside_fewer_decoding_sequences_is_prefilled_whole(l
                 got[o.request_id].append(o.token_id)
     for i, prompt in enumerate(burst):
         assert got[f"b{i}"] == _decode_alone(llm, prompt, params), i
+
+
+def test_a_burst_is_prefilled_a_capped_number_of_tokens_a_step(llm):
+    """Four 300-token prompts arriving together with a cap of 600 tokens a step: two first
+    tokens leave after the first step (not all four after one long step); the other two,
+    now no more than the decoding ones, go on in chunks; every reply is the one each gets
+    prefilled alone."""
+    config = EngineConfig(
+        max_num_seqs=4, max_model_len=1024, prefill_chunk_tokens=CHUNK, burst_prefill_tokens=600,
+        prefix_cache_tokens=0,
+    )  # fmt: skip
+    engine = DecodeEngine(llm.model, config, {llm.tokenizer.eos_token_id})
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    burst = [long_prompt(llm, 300)[i:] + [11] * i for i in range(4)]
+    for i, prompt in enumerate(burst):
+        engine.add_request(f"b{i}", params, prompt_ids=prompt)
+    got: dict[str, list[int]] = {f"b{i}": [] for i in range(4)}
+    firsts = []
+    while engine.has_unfinished:
+        outs = [o for o in engine.step() if o.token_id is not None]
+        firsts.append(sum(o.index == 0 for o in outs))
+        for o in outs:
+            got[o.request_id].append(o.token_id)
+    assert firsts[0] == 2 and sum(firsts) == 4, firsts
+    for i, prompt in enumerate(burst):
+        assert got[f"b{i}"] == _decode_alone(llm, prompt, params), i

@@ -94,6 +94,9 @@ class EngineConfig:
     # prompt tokens decode prefills itself per step, beside the running batch: a longer
     # prompt is prefilled in chunks over several steps, so running sequences keep their pace
     prefill_chunk_tokens: int = 64
+    # a burst (more prompts waiting than sequences decoding) is prefilled whole, up to this
+    # many prompt tokens a step, so the first prompts' first tokens need not wait for all
+    burst_prefill_tokens: int = 2048
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask for
     # Prefix cache: K/V of finished work kept for later prompts that start the same way, in
     # tokens (rounded down to whole blocks); 0 turns it off (engine/prefix_cache.py)

@@ -141,6 +141,7 @@ class DecodeEngine:
         )
         self._seqs: dict[str, Sequence] = {}
         self._finish_requests: dict[str, FinishReason] = {}
+        self._prefilled = 0
         self._lock = threading.Lock()
         self.num_steps = 0
         # (queue seconds, seconds of prefill done here or None) per admitted sequence: metrics
@@ -226,6 +227,7 @@ class DecodeEngine:
                 self._finish(self._seqs[rid], reason, outputs)
             self._finish_requests.clear()
             admitted = self.scheduler.schedule()
+        self._prefilled = 0  # prompt tokens computed this step (the burst cap counts them)
         done = [seq for seq in admitted if self._admit(seq, outputs)]
         done += self._prefill_chunks(outputs)
         with self._lock:
@@ -267,13 +269,16 @@ class DecodeEngine:
         Chunks protect a running batch from prompts: a step's chunk delays every decoding
         sequence once, each waiting prompt waits for every step its prefill takes. While
         fewer sequences decode than prompts wait (a burst of arrivals), the prompts are the
-        many: they are prefilled whole this step, and the batch they join decodes at full
-        size sooner; otherwise `prefill_chunk_tokens` a step."""
+        many: they are prefilled whole, `burst_prefill_tokens` a step (a step's outputs go out
+        when it ends: a cap lets the first prompts' first tokens leave while later prompts
+        still wait), and the batch they join decodes at full size sooner; otherwise
+        `prefill_chunk_tokens` a step."""
         prefilling = [s for s in self.scheduler.running if s.prefilling]
         decoding = len(self.scheduler.running) - len(prefilling)
         budget = self.config.prefill_chunk_tokens
         if decoding < len(prefilling):
-            budget = sum(s.prompt_len - s.num_cached_tokens for s in prefilling)
+            left = sum(s.prompt_len - s.num_cached_tokens for s in prefilling)
+            budget = min(left, max(self.config.burst_prefill_tokens - self._prefilled, 0))
         done: list[Sequence] = []
         for seq in prefilling:
             assert seq.prefill_pos is not None  # (prefilling: it is)
@@ -359,6 +364,7 @@ class DecodeEngine:
                 outputs.append(TokenOutput(seq.request_id, None, len(seq.output_ids), reason))
         else:
             prompt, n = seq.prompt_ids, self._reuse(seq)
+            self._prefilled += len(prompt) - n
             if n:  # positions 0..n-1 came from the prefix cache
                 logits = self.model.prefill_chunk(prompt[n:], n, self.cache, seq.slot)
             else:
