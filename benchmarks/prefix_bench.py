@@ -256,7 +256,8 @@ def vllm_server(a, cache: bool) -> Iterator[str]:
             time.sleep(2)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have exited by itself
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -324,23 +325,24 @@ def main() -> int:
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     p.add_argument("--work-dir", default=tempfile.mkdtemp(prefix="prefix-bench-"))
     p.add_argument("--out", default=str(ROOT / "results" / "prefix_bench.json"))
+    p.add_argument("--append", action="store_true", help="add these servers to --out's results")
     a = p.parse_args()
-    res = {
-        "command": " ".join(sys.argv),
-        "args": vars(a),
-        "workloads": {w: {} for w in a.workloads},
-    }
+    out = Path(a.out)
+    res: dict = {"commands": [], "workloads": {}}
+    if a.append and out.exists():
+        res = json.loads(out.read_text())
+    res["commands"].append(" ".join(sys.argv))
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in a.servers:
         print(f"== {name}: starting", flush=True)
         with SERVERS[name](a) as url:
             for w in a.workloads:
                 print(f"   {w} ...", flush=True)
-                res["workloads"][w][name] = r = run_workload(url, w, a)
+                r = run_workload(url, w, a)
+                res["workloads"].setdefault(w, {})[name] = r
                 brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
                 print(f"   {w}: {json.dumps(brief)}", flush=True)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+                out.write_text(json.dumps(res, indent=1))  # each result as soon as it is in
     print(table(res))
     plot(res, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
