@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from disagg.contracts import ADMIN_KEY_ENV, TOKEN_ENV
+from disagg.contracts import ADMIN_KEY_ENV, TOKEN_ENV, internal_token
 from disagg.settings import ServeSettings
 
 BASE_PORT = 8100  # prefill servers from here, decode servers 100 higher, ten apart
@@ -84,7 +84,7 @@ class Cluster:
         self.config = config
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.secrets = {
-            TOKEN_ENV: os.environ.get(TOKEN_ENV) or secrets.token_hex(16),
+            TOKEN_ENV: internal_token() or secrets.token_hex(16),
             ADMIN_KEY_ENV: os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24),
         }
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV, TOKEN_ENV
+from disagg.contracts import internal_token as contracts_internal_token
 from disagg.errors import ConfigError
 from disagg.serve import procargs, triton_install
 from disagg.serve.render import render_repositories, role_models
@@ -81,7 +82,7 @@ class Endpoints:
 def internal_token(s: ServeSettings) -> str:
     """One server makes its own; the servers of a cluster must share one (a frontend calls the
     pools of the others, a decode server pulls KV from prefill servers with it)."""
-    shared = os.environ.get(TOKEN_ENV, "")
+    shared = contracts_internal_token()  # the environment's, if set
     if s.role == "all" and not (s.prefill_replicas or s.decode_replicas):
         return shared or secrets.token_hex(16)
     if len(shared) < 16:
