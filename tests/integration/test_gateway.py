@@ -117,7 +117,7 @@ def _cached(resp) -> int:
 
 
 def test_a_second_chat_turn_reuses_the_first_turns_kv(client, gateway, stack):
-    """The prefix cache through every hop (gateway -> router -> orchestrator -> decode):
+    """The prefix cache through every hop (gateway -> router -> orchestrator -> pools):
     the second turn's usage names the cached prompt tokens, its reply is the one the same
     turn gets with the cache bypassed, and another API key gets no hit from this key's."""
     ask = {"model": MODEL, "max_tokens": 12, "temperature": 0.0}
@@ -146,13 +146,15 @@ def test_a_second_chat_turn_reuses_the_first_turns_kv(client, gateway, stack):
     other = beta.chat.completions.create(messages=turn2, **ask)
     assert _cached(other) == 0
     assert other.choices[0].message.content == r2.choices[0].message.content
-    # what the pools and the orchestrator counted (decode prefilled these: decode idle)
+    # what the pools and the orchestrator counted (the test server runs disaggregated: the
+    # prefill pool prefilled, and hit; decode keeps the handed-off prompts and replies)
     server = stack[0]
 
     def counted() -> None:
-        hits = metric(server, "disagg_prefix_cache_hit_tokens_total", pool="decode")
+        hits = metric(server, "disagg_prefix_cache_hit_tokens_total", pool="prefill")
         assert hits >= 2 * _cached(r2)  # the turn, and the same turn streamed
-        assert metric(server, "disagg_prefix_cache_used_tokens", pool="decode") > 0
+        for pool in ("prefill", "decode"):
+            assert metric(server, "disagg_prefix_cache_used_tokens", pool=pool) > 0, pool
         assert metric(server, "disagg_request_cached_tokens_sum") >= 2 * _cached(r2)
 
     eventually(counted, 10)
