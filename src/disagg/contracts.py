@@ -280,7 +280,6 @@ class DecodeStats:
     kv_bytes_reserved: int | None = None
     kv_bytes_capacity: int | None = None
     prefix_cache: PrefixCacheStats | None = None  # a copy; None: no prefix cache
-    prefix_block_size: int = 16  # tokens per cached block
 
 
 @dataclass

@@ -70,8 +70,7 @@ class TritonPythonModel:
             else:
                 result = self.engine.prefill(rid, prompt, params)
                 if self.engine.kv_reuse is not None:
-                    reuse = self.engine.kv_reuse
-                    self.prefix_metrics.update(reuse.index.stats, reuse.block_size)
+                    self.prefix_metrics.update(self.engine.kv_reuse.index.stats)
             compute_us = int((time.perf_counter() - start) * 1e6)  # the hand-off starts here
             if self.trtllm is None:
                 payload = result.kv.pack(self._buffer(i, result.kv.packed_size()))

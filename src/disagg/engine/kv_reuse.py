@@ -8,12 +8,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from disagg.engine.config import EngineConfig, ModelArgs
 from disagg.engine.kernels import CPU
-from disagg.engine.model import KVCacheSlots
+from disagg.engine.model import KVCacheSlots, zeros_kv
 from disagg.engine.prefix_cache import BlockHash, PrefixCache, block_hashes, root_hash
 
 if TYPE_CHECKING:
@@ -29,12 +28,7 @@ class KVBlockStore:
         self, args: ModelArgs, num_blocks: int, block_size: int, device: torch.device = CPU
     ) -> None:
         shape = (num_blocks, args.n_layers, args.n_kv_heads, block_size, args.head_dim)
-        if device.type == "cpu":
-            self.k = torch.from_numpy(np.zeros(shape, dtype=np.float32))
-            self.v = torch.from_numpy(np.zeros(shape, dtype=np.float32))
-        else:
-            self.k = torch.zeros(shape, dtype=torch.float32, device=device)
-            self.v = torch.zeros_like(self.k)
+        self.k, self.v = zeros_kv(shape, device)
         self.block_size = block_size
 
     def load(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,11 +76,8 @@ class KVReuse:
     def load_prompt(
         self, prompt_ids: Seq[int], salt: str, cache: KVCacheSlots, slot: int
     ) -> CacheHit:
-        """Copy the prompt's longest cached prefix into positions 0.. of `slot`. At least
-        the last prompt token is left to compute: its logits give the first token."""
-        hashes = self.hashes(prompt_ids, salt)
-        usable = (len(prompt_ids) - 1) // self.block_size
-        found = self.index.match(hashes[:usable])
+        """Copy the prompt's longest cached prefix into positions 0.. of `slot`."""
+        hashes, found = self._match(prompt_ids, salt, count=True)
         try:
             if found:
                 k, v = self.store.load(found)
@@ -97,10 +88,18 @@ class KVReuse:
 
     def peek(self, seq: Sequence) -> int:
         """How many prompt tokens `load_prompt` would copy now (counted in no statistic)."""
-        hashes = self.hashes(seq.prompt_ids, seq.params.cache_salt)
-        found = self.index.match(hashes[: (seq.prompt_len - 1) // self.block_size], count=False)
+        _, found = self._match(seq.prompt_ids, seq.params.cache_salt, count=False)
         self.index.release(found)
         return len(found) * self.block_size
+
+    def _match(
+        self, prompt_ids: Seq[int], salt: str, count: bool
+    ) -> tuple[list[BlockHash], list[int]]:
+        """(the prompt's block hashes, the cached blocks of its longest prefix, pinned). At
+        least the last prompt token is left to compute: its logits give the first token."""
+        hashes = self.hashes(prompt_ids, salt)
+        usable = (len(prompt_ids) - 1) // self.block_size
+        return hashes, self.index.match(hashes[:usable], count=count)
 
     def keep(self, seq: Sequence, cache: KVCacheSlots) -> None:
         """Keep the full blocks of a running sequence decode prefilled (prompt and output

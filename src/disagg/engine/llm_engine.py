@@ -17,14 +17,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from disagg.contracts import DecodeStats
 from disagg.engine.config import EngineConfig
 from disagg.engine.kv_payload import KVPayload
 from disagg.engine.kv_reuse import kv_reuse_for
-from disagg.engine.model import KVCacheSlots, Llama
+from disagg.engine.model import KVCacheSlots, Llama, zeros_kv
 from disagg.engine.sampling import sample_batch, sample_one
 from disagg.engine.scheduler import Scheduler, SlotMove
 from disagg.engine.sequence import (
@@ -73,14 +72,12 @@ class PrefillEngine:
         self.kv_reuse = kv_reuse_for(model, config)
         # a cached prefix is copied here and the rest of the prompt prefilled after it
         self._scratch = KVCacheSlots(model.args, 1, config.max_model_len, device=model.device)
+        # (calloc'd: costs memory only where a prompt with a cached prefix writes it)
         self._kv_buffers = None
         if reuse_kv_buffers and model.device.type == "cpu":
             a = model.args
             shape = (a.n_layers, a.n_kv_heads, config.max_model_len, a.head_dim)
-            self._kv_buffers = (
-                torch.from_numpy(np.zeros(shape, np.float32)),
-                torch.from_numpy(np.zeros(shape, np.float32)),
-            )
+            self._kv_buffers = zeros_kv(shape, model.device)
 
     def prefill(
         self,
@@ -102,7 +99,7 @@ class PrefillEngine:
             k, v = self._scratch.k[:, 0, :, :s], self._scratch.v[:, 0, :, :s]
         else:
             logits, k, v = self.model.prefill(prompt_ids, kv_out=self._kv_buffers)
-        if reuse is not None and hit is not None:
+        if reuse is not None and hit is not None:  # (both or neither)
             reuse.save(prompt_ids, salt, k, v, hashes=hit.hashes)
         seed = resolve_seed(params)
         first = sample_one(logits.cpu(), params, seed, [])
@@ -213,7 +210,6 @@ class DecodeEngine:
             kv_bytes_reserved=bm.num_used_blocks * bytes_per_block,
             kv_bytes_capacity=bm.num_blocks * bytes_per_block,
             prefix_cache=None if reuse is None else dataclasses.replace(reuse.index.stats),
-            prefix_block_size=self.config.block_size,
         )
 
     # ---------------------------------------------------------------- the loop

@@ -75,6 +75,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+def zeros_kv(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pair of fp32 K/V buffers of `shape`, zeros. On the CPU through numpy's calloc: pages
+    cost memory only once written (device memory is committed at allocation)."""
+    if device.type == "cpu":
+        return (
+            torch.from_numpy(np.zeros(shape, dtype=np.float32)),
+            torch.from_numpy(np.zeros(shape, dtype=np.float32)),
+        )
+    k = torch.zeros(shape, dtype=torch.float32, device=device)
+    return k, torch.zeros_like(k)
+
+
 class KVCacheSlots:
     """Physical K/V storage of a decode engine: one slot of `max_len` positions per sequence.
 
@@ -93,15 +105,10 @@ class KVCacheSlots:
         device: torch.device = CPU,
     ) -> None:
         shape = (args.n_layers, max_slots, args.n_kv_heads, max_len, args.head_dim)
-        if device.type == "cpu":
-            self.k = torch.from_numpy(np.zeros(shape, dtype=np.float32))
-            self.v = torch.from_numpy(np.zeros(shape, dtype=np.float32))
-            if prefault:  # write every page now rather than on the first decode step using it
-                self.k.numpy().fill(0.0)
-                self.v.numpy().fill(0.0)
-        else:  # device memory is committed at allocation
-            self.k = torch.zeros(shape, dtype=torch.float32, device=device)
-            self.v = torch.zeros_like(self.k)
+        self.k, self.v = zeros_kv(shape, device)
+        if prefault and device.type == "cpu":  # every page now, not on the first step using it
+            self.k.numpy().fill(0.0)
+            self.v.numpy().fill(0.0)
         self.device = device
         self.max_slots = max_slots
         self.max_len = max_len

@@ -57,11 +57,20 @@ def block_hashes(
 @dataclass
 class PrefixCacheStats:
     num_blocks: int  # capacity
+    block_size: int  # tokens per block
     num_used_blocks: int = 0
     num_queried_tokens: int = 0  # prompt tokens looked up (full blocks only)
     num_hit_tokens: int = 0  # of those, found cached
     num_stored_blocks: int = 0
     num_evicted_blocks: int = 0
+
+    @property
+    def used_tokens(self) -> int:
+        return self.num_used_blocks * self.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
     @property
     def hit_rate(self) -> float:
@@ -78,7 +87,7 @@ class PrefixCache:
         self._blocks: OrderedDict[BlockHash, int] = OrderedDict()  # oldest first
         self._free = list(range(num_blocks - 1, -1, -1))
         self._pins: dict[int, int] = {}  # block id -> copies in progress
-        self.stats = PrefixCacheStats(num_blocks)
+        self.stats = PrefixCacheStats(num_blocks, block_size)
 
     def match(self, hashes: Seq[BlockHash], *, count: bool = True) -> list[int]:
         """Block ids of the longest cached prefix of `hashes`, pinned until `release`.

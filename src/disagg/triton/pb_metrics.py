@@ -218,9 +218,9 @@ class PrefixCacheMetrics:
         self.queried, self.hits = Family(M.PREFIX_QUERIED, **f), Family(M.PREFIX_HITS, **f)
         self.evicted, self.used = Family(M.PREFIX_EVICTED, **f), Family(M.PREFIX_USED, **f)
         self.capacity = Family(M.PREFIX_CAPACITY, **f)
-        self.last = PrefixCacheStats(0)
+        self.last = PrefixCacheStats(0, 1)
 
-    def update(self, stats: PrefixCacheStats, block_size: int) -> None:
+    def update(self, stats: PrefixCacheStats) -> None:
         for family, now, before in (
             (self.queried, stats.num_queried_tokens, self.last.num_queried_tokens),
             (self.hits, stats.num_hit_tokens, self.last.num_hit_tokens),
@@ -228,8 +228,8 @@ class PrefixCacheMetrics:
         ):
             if now > before:
                 family.inc(now - before)
-        self.used.set(stats.num_used_blocks * block_size)
-        self.capacity.set(stats.num_blocks * block_size)
+        self.used.set(stats.used_tokens)
+        self.capacity.set(stats.capacity_tokens)
         self.last = dataclasses.replace(stats)
 
 
@@ -299,7 +299,7 @@ class DecodeMetrics:
             self.steps.inc(stats.num_steps - self.last_steps)
             self.last_steps = stats.num_steps
         if stats.prefix_cache is not None:
-            self.prefix.update(stats.prefix_cache, stats.prefix_block_size)
+            self.prefix.update(stats.prefix_cache)
 
     def on_admit(self, queue_s: float, prefill_s: float | None) -> None:
         self.queue.observe(queue_s, pool="decode")
