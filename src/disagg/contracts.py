@@ -23,6 +23,7 @@ from disagg.errors import (
     CapacityError,
     DisaggError,
     EngineDeadError,
+    KVPrefixMissError,
     PoolError,
     RequestError,
 )
@@ -77,6 +78,10 @@ RESOLVED_SEED = "resolved_seed"  # UINT64 [1]
 KV_PAYLOAD = "kv_payload"  # UINT8 [-1]: KVPayload.to_bytes()
 PREFILL_TIME_US = "prefill_time_us"  # INT64 [1]: compute only
 PREFILL_START_NS = "prefill_start_ns"  # INT64 [1]: wall clock when compute began (queue time)
+# INT32 [1], optional: leading prompt tokens (whole blocks) the prefill call's payload may leave
+# out, because decode holds their K/V in its prefix cache
+SKIP_TOKENS = "skip_tokens"
+KV_START = "kv_start"  # INT32 [1]: the first prompt position prefill's payload holds (its skip)
 TOKEN_IDS = "token_ids"  # INT32 [-1]: new tokens of one decode response
 WORKER_PID = "worker_pid"  # INT32 [1]: the process that produced a response
 # INT32 [4]: a decode engine's sequences running and waiting, its free slots and free KV
@@ -126,10 +131,12 @@ class ErrorKind(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"  # the client's: retrying it unchanged cannot succeed
     UNAVAILABLE = "unavailable"  # busy, or a pool down: route around it, retry later
     INTERNAL = "internal"  # a bug, or Triton's own error
+    # decode lacks the prefix a partial KV hand-off left out: hand the whole prompt off again
+    PREFIX_MISS = "prefix_miss"
 
 
-INVALID_REQUEST, UNAVAILABLE, INTERNAL = (
-    ErrorKind.INVALID_REQUEST, ErrorKind.UNAVAILABLE, ErrorKind.INTERNAL,
+INVALID_REQUEST, UNAVAILABLE, INTERNAL, PREFIX_MISS = (
+    ErrorKind.INVALID_REQUEST, ErrorKind.UNAVAILABLE, ErrorKind.INTERNAL, ErrorKind.PREFIX_MISS,
 )  # fmt: skip
 ERROR_KINDS = tuple(ErrorKind)
 
@@ -157,6 +164,8 @@ def error_kind_of(exc: BaseException) -> ErrorKind:
     """The kind of a failure, as it travels between models and in metric labels."""
     if isinstance(exc, RequestError):
         return INVALID_REQUEST
+    if isinstance(exc, KVPrefixMissError):  # (a PoolError: a caller that knows no better fails)
+        return PREFIX_MISS
     if isinstance(exc, (CapacityError, PoolError, EngineDeadError)):
         return UNAVAILABLE
     return INTERNAL
@@ -167,6 +176,8 @@ def error_from_kind(kind: str, message: str, where: str) -> DisaggError:
     stays the client's error; anything else is the pool's, so the caller may route around it."""
     if kind == INVALID_REQUEST:
         return RequestError(message)
+    if kind == PREFIX_MISS:
+        return KVPrefixMissError(f"{where}: {message}")
     return PoolError(f"{where}: {message}")
 
 
@@ -256,6 +267,9 @@ class Handoff:
     call_time_s: float = 0.0  # the whole prefill call, as the orchestrator saw it
     queue_s: float = 0.0  # sent -> compute began (same host's clock; 0 when not reported)
     num_cached_tokens: int = 0  # leading prompt tokens the prefill pool's prefix cache gave
+    # leading prompt tokens the payload leaves out (decode's prefix cache holds them); 0: the
+    # whole prompt's K/V
+    kv_start: int = 0
 
 
 @dataclass(frozen=True)

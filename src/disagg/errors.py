@@ -32,5 +32,10 @@ class PoolError(DisaggError):
     """A pool or pipeline failed, timed out or is unavailable; the request itself may be fine."""
 
 
+class KVPrefixMissError(PoolError):
+    """Decode no longer holds the prompt prefix a partial KV hand-off left out (evicted,
+    restarted, or another orchestrator's guess): hand the whole prompt's K/V off again."""
+
+
 class ConfigError(DisaggError):
     """A setting or an engine directory is invalid; raised at start, never per request."""

@@ -102,6 +102,20 @@ KV_SECONDS = _m(
     ("model", "path"),
     KV_SECONDS_BUCKETS,
 )
+KV_SKIPPED_BYTES = _m(
+    "disagg_kv_handoff_skipped_bytes_total",
+    COUNTER,
+    "Prompt K/V bytes hand-offs left out because decode held them in its prefix cache (a "
+    "conversation's earlier turns); what moved is disagg_kv_handoff_bytes",
+    ("model",),
+)
+KV_PREFIX_MISSES = _m(
+    "disagg_kv_handoff_prefix_misses_total",
+    COUNTER,
+    "Partial hand-offs decode could not complete from its prefix cache (evicted, restarted), "
+    "handed off again with the whole prompt's K/V",
+    ("model",),
+)
 DECISIONS = _m(
     "disagg_conditional_decisions_total",
     COUNTER,

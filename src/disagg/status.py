@@ -5,7 +5,8 @@
 
 Every interval it scrapes Triton's metrics port (and the gateway's /metrics) and shows the
 pools (queue, executions), decode instances (batch, waiting, KV in use), the prefill queue,
-and TTFT / ITL / e2e percentiles and rates over the last interval, from histogram deltas.
+and TTFT / ITL / e2e percentiles and rates over the last interval, from histogram deltas;
+KV hand-offs by path, with what they left out because decode held it.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ def render(
             lines.append(
                 f"  {path:<18}{n / seconds:7.1f} {mb / 1e6 / seconds:7.1f}  {_ms(quantile(0.5, d))}"
             )
+    lines += _left_out(before, now, seconds)
     replicas = sorted(
         (s.label("pool"), s.label("replica"), s.value) for s in now if s.name == "disagg_replica_up"
     )
@@ -214,6 +216,23 @@ def render(
         inflight = total(g_now, "disagg_gateway_inflight_requests")
         lines += ["", f"gateway: {inflight:.0f} in flight, {reqs / seconds:.1f} requests/s"]
     return "\n".join(lines)
+
+
+def _left_out(before: list[Sample], now: list[Sample], seconds: float) -> list[str]:
+    """What hand-offs did not move because decode held it (a conversation's earlier turns),
+    and the partial hand-offs decode could not complete (handed off again whole)."""
+    skipped, misses = (
+        "disagg_kv_handoff_skipped_bytes_total",
+        "disagg_kv_handoff_prefix_misses_total",
+    )
+    if not total(now, skipped) and not total(now, misses):
+        return []
+    mb = (total(now, skipped) - total(before, skipped)) / 1e6
+    return [
+        f"  left out (decode held it) {mb / seconds:7.1f} MB/s, {total(now, skipped) / 1e6:.0f} MB "
+        f"in all; prefix misses {total(now, misses) - total(before, misses):.0f} "
+        f"({total(now, misses):.0f} in all)"
+    ]
 
 
 def scrape(url: str) -> list[Sample]:

@@ -47,14 +47,18 @@ def model_args(vocab_size: int = 49152) -> ModelArgs:
 
 
 class ScriptedPrefill:
-    def __init__(self, first_token: int | None = None, error: Exception | None = None):
-        self.first_token, self.error, self.calls = first_token, error, []
+    """Honours a skip as the real one does: its hand-off says where its payload starts."""
 
-    def prefill(self, request_id, prompt_ids, params):
+    def __init__(self, first_token: int | None = None, error: Exception | None = None):
+        self.first_token, self.error, self.calls, self.skips = first_token, error, [], []
+
+    def prefill(self, request_id, prompt_ids, params, skip_tokens=0):
         self.calls.append(prompt_ids)
+        self.skips.append(skip_tokens)
         if self.error:
             raise self.error
-        return Handoff(self.first_token, 7, np.zeros(16, np.uint8), 111, 0.01)
+        payload = np.zeros(16, np.uint8)
+        return Handoff(self.first_token, 7, payload, 111, 0.01, kv_start=skip_tokens)
 
 
 class ScriptedDecode:

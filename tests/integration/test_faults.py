@@ -197,6 +197,33 @@ def test_an_orchestrator_crash_ends_router_and_gateway_requests_and_frees_decode
     assert scrape(gateway.url + "/metrics", "disagg_gateway_inflight_requests") == 0
 
 
+def test_a_second_turn_after_a_decode_restart_is_handed_off_whole_and_replies_the_same(stack):
+    """The orchestrator left turn 1's blocks in decode; decode restarts (its prefix cache
+    empty). Turn 2's hand-off leaves those blocks out, decode says it lacks them (a typed
+    failure through the BLS stream), and the orchestrator hands the whole prompt off again."""
+    server, gateway = stack
+    oa = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    ask = {"model": MODEL, "max_tokens": 10, "temperature": 0.0}
+    system = "You are the ferry's purser: tickets, cabins, the timetable and the bar. " * 8
+    turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "A cabin?"}]
+    r1 = oa.chat.completions.create(messages=turn1, **ask)
+    (decode,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "decode"]
+    os.kill(decode, signal.SIGKILL)
+    _serves_again(server)
+    misses = scrape(server.endpoints.metrics, "disagg_kv_handoff_prefix_misses_total")
+    turn2 = turn1 + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And breakfast?"},
+    ]
+    r2 = oa.chat.completions.create(messages=turn2, **ask)
+    metric_becomes(server, "disagg_kv_handoff_prefix_misses_total", misses + 1, timeout_s=10)
+    whole = oa.chat.completions.create(
+        messages=turn2, extra_body={"use_prefix_cache": False}, **ask
+    )
+    assert r2.choices[0].message.content == whole.choices[0].message.content
+    assert r2.choices[0].finish_reason == whole.choices[0].finish_reason
+
+
 def test_a_shutdown_crashes_no_stub_and_leaves_nothing_behind(stack):
     server, _ = stack
     stubs = _stub_table(server)

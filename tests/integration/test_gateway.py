@@ -160,6 +160,50 @@ def test_a_second_chat_turn_reuses_the_first_turns_kv(client, gateway, stack):
     eventually(counted, 10)
 
 
+KV_BYTES_PER_TOKEN = 46080  # SmolLM2-135M: K and V, 30 layers, 3 KV heads of 64, fp32
+PAYLOAD_HEADER = 1024  # engine/kv_payload.py HEADER_SPACE
+
+
+def test_a_second_turns_hand_off_moves_only_what_decode_lacks(client, stack):
+    """Decode kept the first turn's prompt and reply; the second turn's hand-off leaves
+    those blocks out (decode copies them from its cache), and the reply is the one a whole
+    hand-off gives (the same turn with the cache bypassed)."""
+    server = stack[0]
+    moved, left_out = "disagg_kv_handoff_bytes_sum", "disagg_kv_handoff_skipped_bytes_total"
+    ask = {"model": MODEL, "max_tokens": 12, "temperature": 0.0}
+    system = "You keep the lighthouse log: lamps, storms, ships passing and the keeper's rota. "
+    turn1 = [{"role": "system", "content": system * 8}, {"role": "user", "content": "Tonight?"}]
+
+    def served(messages, **extra):
+        """(reply, bytes moved, bytes left out) of one request, from the server's metrics."""
+        done = "disagg_request_cached_tokens_count"  # the orchestrator's last update of a request
+        before = [metric(server, name) for name in (moved, left_out, done)]
+        r = client.chat.completions.create(messages=messages, **ask, **extra)
+
+        def landed() -> None:
+            assert metric(server, done) == before[2] + 1
+
+        eventually(landed, 10)
+        return r, metric(server, moved) - before[0], metric(server, left_out) - before[1]
+
+    misses = metric(server, "disagg_kv_handoff_prefix_misses_total")
+    r1, moved1, skipped1 = served(turn1)
+    assert skipped1 == 0 and moved1 == r1.usage.prompt_tokens * KV_BYTES_PER_TOKEN + PAYLOAD_HEADER
+    turn2 = turn1 + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And at dawn?"},
+    ]
+    r2, moved2, skipped2 = served(turn2)
+    whole = r2.usage.prompt_tokens * KV_BYTES_PER_TOKEN
+    assert moved2 + skipped2 == whole + PAYLOAD_HEADER  # every position: moved or left out
+    assert skipped2 >= 0.7 * whole and skipped2 % (16 * KV_BYTES_PER_TOKEN) == 0
+    assert moved2 < moved1 / 3, (moved1, moved2)
+    bypass, moved_bypass, _ = served(turn2, extra_body={"use_prefix_cache": False})
+    assert moved_bypass == whole + PAYLOAD_HEADER  # the whole prompt's K/V, as before
+    assert r2.choices[0].message.content == bypass.choices[0].message.content
+    assert metric(server, "disagg_kv_handoff_prefix_misses_total") == misses
+
+
 def test_a_bad_cache_salt_is_a_400(client):
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         client.chat.completions.create(

@@ -23,7 +23,13 @@ from disagg.codec.generate import (
     TokenizeResponse,
     client_inputs,
 )
-from disagg.codec.pools import DecodeCall, DecodeStepResponse, PrefillCall, PrefillResponse
+from disagg.codec.pools import (
+    DecodeCall,
+    DecodeStepResponse,
+    PrefillCall,
+    PrefillInput,
+    PrefillResponse,
+)
 from disagg.codec.tensors import (
     Tensors,
     encode_ack,
@@ -119,16 +125,42 @@ def test_prefill_call_and_response():
     params = SamplingParams(max_tokens=4, seed=7, stop=("x",))
     call = PrefillCall.encode([1, 2, 3], params)
     _check_declared(call, PrefillCall.TENSORS)
-    assert PrefillCall.decode(call) == ([1, 2, 3], params)
+    assert PrefillCall.decode(call) == PrefillInput([1, 2, 3], params, skip_tokens=0)
+    assert C.SKIP_TOKENS not in call  # a prefill server that predates the skip takes it
     payload = np.arange(8, dtype=np.uint8)
     answer = PrefillResponse.encode(5, 2**63, payload, 77, 1500, 2_000_000_000)
     _check_declared(answer, PrefillResponse.TENSORS)
     handoff = PrefillResponse.decode(answer)
     assert (handoff.first_token, handoff.seed, handoff.worker_pid) == (5, 2**63, 77)
-    assert (handoff.prefill_time_s, handoff.start_wall_s) == (0.0015, 2.0)
+    assert (handoff.prefill_time_s, handoff.start_wall_s, handoff.kv_start) == (0.0015, 2.0, 0)
     assert np.array_equal(handoff.kv_payload, payload)
     with pytest.raises(PoolError, match="lacks output 'kv_payload'"):
         PrefillResponse.decode({k: v for k, v in answer.items() if k != C.KV_PAYLOAD})
+
+
+def test_a_prefill_call_carries_its_skip_and_the_response_where_its_payload_starts():
+    params = SamplingParams(max_tokens=4)
+    call = PrefillCall.encode(list(range(40)), params, skip_tokens=32)
+    _check_declared(call, PrefillCall.TENSORS)
+    assert PrefillCall.decode(call).skip_tokens == 32
+    answer = PrefillResponse.encode(5, 1, np.zeros(8, np.uint8), 77, 1, 1, 16, kv_start=32)
+    _check_declared(answer, PrefillResponse.TENSORS)
+    got = PrefillResponse.decode(answer)
+    assert (got.kv_start, got.num_cached_tokens) == (32, 16)
+    older = {k: v for k, v in answer.items() if k != C.KV_START}  # a server before kv_start
+    assert PrefillResponse.decode(older).kv_start == 0
+
+
+def test_a_prefix_miss_keeps_its_kind_across_models():
+    from disagg.errors import KVPrefixMissError
+
+    sent = encode_failure(KVPrefixMissError("decode's prefix cache holds 0 of 32"))
+    assert sent[C.ERROR_KIND].tolist() == [b"prefix_miss"]
+    with pytest.raises(KVPrefixMissError, match="decode: decode's prefix cache holds 0"):
+        raise_for_failure(sent, "decode")
+    kind, message = C.split_error(C.tag_error(C.error_kind_of(KVPrefixMissError("x")), "x"))
+    assert (kind, message) == (C.PREFIX_MISS, "x")  # a gRPC stream's message carries it too
+    assert isinstance(C.error_from_kind(kind, message, "decode at h:1"), KVPrefixMissError)
 
 
 def test_decode_call_carries_a_handoff_or_the_prompt():

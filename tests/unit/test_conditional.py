@@ -33,10 +33,12 @@ def decide(tokens: int, queue_tokens: int = 0, active: int = 0, **params):
 def test_each_side_prefills_only_what_its_prefix_cache_lacks():
     model = CostModel(PARAMS)
     # 1000 tokens, 4 decoding: remote without caches (see the next tests), but decode holds
-    # 900 of them: local = 0.1 s x 5 = 0.5 s; remote = 1 + 0.02 + 4 x 1 x 0.5 = 3.02 s
+    # 900 of them: local = 0.1 s x 5 = 0.5 s; remote = 1 + 0.011 + 4 x 1 x 0.5 = 3.011 s (the
+    # hand-off moves only the 100 tokens decode lacks: 10 ms + 100 x 10 us)
     d = model.decide(1000, Load(0, 4), cached_local=900)
     assert (d.remote, d.reason) == (False, PREFIX_CACHED)
-    assert d.local_cost_s == pytest.approx(0.5) and d.remote_cost_s == pytest.approx(3.02)
+    assert d.local_cost_s == pytest.approx(0.5) and d.remote_cost_s == pytest.approx(3.011)
+    assert d.handoff_s == pytest.approx(0.011)
     # the prefill pool holds them instead: remote = 0.1 + 0.02 + 4 x 0.1 x 0.5 = 0.32 s
     d = model.decide(1000, Load(0, 4), cached_remote=900)
     assert d.remote and d.remote_cost_s == pytest.approx(0.32)

@@ -3,6 +3,8 @@ a stub tokenizer: no weights, no processes (tests/helpers/scripted.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers.scripted import (
@@ -16,14 +18,10 @@ from disagg import contracts as C
 from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, FALLBACK, DecodeStep
 from disagg.engine.config import EngineConfig
 from disagg.engine.sequence import SamplingParams
-from disagg.errors import PoolError, RequestError
-from disagg.pipeline.orchestrator import (
-    Orchestrator,
-    OrchestratorEvents,
-    build_request,
-)
+from disagg.errors import KVPrefixMissError, PoolError, RequestError
+from disagg.pipeline.orchestrator import Orchestrator, OrchestratorEvents
 from disagg.pipeline.prefix_locality import PrefixLocality
-from disagg.pipeline.request import GenerateRequest
+from disagg.pipeline.request import GenerateRequest, build_request
 
 pytestmark = pytest.mark.unit
 
@@ -186,6 +184,12 @@ class Recorder(OrchestratorEvents):
     def decision(self, remote, reason):
         self.calls.append(("decision", remote, reason))
 
+    def kv_handoff_skipped(self, num_bytes):
+        self.calls.append(("kv_handoff_skipped", num_bytes))
+
+    def kv_prefix_miss(self):
+        self.calls.append(("kv_prefix_miss",))
+
     def names(self, name):
         return [c for c in self.calls if c[0] == name]
 
@@ -307,7 +311,7 @@ def test_migration_gives_up_after_its_limit(tokenizer, args):
 
 def test_the_kv_path_is_told_from_the_payload():
     from disagg.kvnet import KVRef
-    from disagg.pipeline.orchestrator import kv_path
+    from disagg.pipeline.handoff import kv_path
     from disagg.trtllm.payload import TrtllmHandoff, to_bytes
 
     ref = np.frombuffer(KVRef("10.0.0.5:8105", "ab" * 16, 13_800_000).to_bytes(), np.uint8)
@@ -315,3 +319,101 @@ def test_the_kv_path_is_told_from_the_payload():
     trt = np.frombuffer(to_bytes(TrtllmHandoff([1, 2], 3, {"ctx_request_id": 9})), np.uint8)
     assert kv_path(trt)[0] == "trtllm"
     assert kv_path(np.zeros(4096, np.uint8)) == ("shm", 4096)
+
+
+# ------------------------------------------------------------------ hand-offs of what decode lacks
+
+
+class PrefixMissingDecode(ScriptedDecode):
+    """A decode pool that no longer holds the prefix a partial hand-off left out (evicted or
+    restarted): as the decode model over BLS, it acknowledges, then fails with the kind."""
+
+    def generate(self, request_id, params, *, handoff=None, prompt_ids=None):
+        if handoff is not None and handoff.kv_start:
+            self.calls.append((handoff, prompt_ids))
+            yield DecodeStep([], None, 222)
+            raise KVPrefixMissError("decode: decode's prefix cache holds 0 of the 32 tokens")
+        yield from super().generate(request_id, params, handoff=handoff, prompt_ids=prompt_ids)
+
+
+class ResamplingPrefill(ScriptedPrefill):
+    """Each prefill samples another first token (a temperature above 0)."""
+
+    def prefill(self, request_id, prompt_ids, params, skip_tokens=0):
+        handoff = super().prefill(request_id, prompt_ids, params, skip_tokens)
+        return dataclasses.replace(handoff, first_token=handoff.first_token + len(self.calls))
+
+
+def two_turns(tokenizer, args, decode, prefill=None, **params):
+    """An orchestrator that served turn 1 (decode kept its prompt and reply), and turn 2."""
+    events, prefill = Recorder(), prefill or ScriptedPrefill(5)
+    o = Orchestrator(
+        tokenizer, args, EngineConfig(max_model_len=2048), prefill, decode, DISAGGREGATED,
+        events, locality=PrefixLocality(4096),
+    )  # fmt: skip
+    turn1 = request(tokenizer, "word " * 40, **params)
+    reply1 = o.run(turn1, lambda r: None).token_ids
+    turn2 = dataclasses.replace(
+        turn1, prompt_ids=turn1.prompt_ids + reply1 + tokenizer.encode(" and one more")
+    )
+    return o, events, prefill, turn1, reply1, turn2
+
+
+def test_a_hand_off_leaves_out_the_whole_blocks_decode_kept(tokenizer, args):
+    decode = ScriptedDecode([6, 7, 8])
+    o, events, prefill, turn1, reply1, turn2 = two_turns(tokenizer, args, decode)
+    final = o.run(turn2, lambda r: None)
+    kept = len(turn1.prompt_ids) + len(reply1) - 1  # the last token has no K/V in decode
+    skip = kept // 16 * 16
+    assert skip >= 32 and prefill.skips == [0, skip]
+    handoff, prompt_ids = decode.calls[-1]
+    assert handoff.kv_start == skip and prompt_ids == turn2.prompt_ids  # names the prefix
+    assert final.token_ids == reply1  # the same reply as a whole hand-off gives here
+    assert events.names("kv_handoff_skipped") == [("kv_handoff_skipped", skip * 46080)]
+    assert events.names("kv_prefix_miss") == []
+
+
+def test_a_skip_never_takes_the_last_prompt_token_or_another_keys_blocks(tokenizer, args):
+    from disagg.pipeline.handoff import skip_tokens
+
+    assert skip_tokens(64, 64, 16) == 48 and skip_tokens(64, 65, 16) == 64
+    assert skip_tokens(40, 100, 16) == 32 and skip_tokens(0, 1, 16) == 0
+    decode = ScriptedDecode([6, 7, 8])
+    o, _, prefill, _, _, turn2 = two_turns(tokenizer, args, decode)
+    o.run(dataclasses.replace(turn2, params=SamplingParams(max_tokens=16, cache_salt="k2")),
+          lambda r: None)  # fmt: skip
+    o.run(dataclasses.replace(turn2, params=SamplingParams(max_tokens=16, use_cache=False)),
+          lambda r: None)  # fmt: skip
+    assert prefill.skips[-2:] == [0, 0]  # not that key's blocks; a request bypassing caches
+
+
+def test_decode_missing_the_prefix_gets_the_whole_prompt_and_the_reply_is_the_same(tokenizer, args):
+    decode = PrefixMissingDecode([6, 7, 8])
+    prefill = ResamplingPrefill(5)
+    o, events, prefill, turn1, reply1, turn2 = two_turns(tokenizer, args, decode, prefill)
+    deltas = []
+    final = o.run(turn2, lambda r: deltas.append(r.text))
+    (partial, _), (whole, prompt_ids) = decode.calls[-2:]
+    assert partial.kv_start > 0 and prefill.skips[-2:] == [partial.kv_start, 0]
+    assert whole.kv_start == 0 and prompt_ids == turn2.prompt_ids
+    # decode continues from the first token already streamed (the resend sampled another)
+    assert whole.first_token == partial.first_token == final.token_ids[0]
+    assert final.token_ids == [partial.first_token, 6, 7, 8] and final.finish_reason == "length"
+    assert "".join(deltas) + final.text == tokenizer.decode(final.token_ids)
+    assert events.names("kv_prefix_miss") == [("kv_prefix_miss",)]
+    assert events.names("kv_handoff_skipped") == []  # nothing was left out in the end
+    assert decode.cancelled == []  # decode refused the partial one: nothing to stop
+
+
+def test_a_resend_that_fails_is_a_pool_error_not_a_wrong_reply(tokenizer, args):
+    decode = PrefixMissingDecode([6, 7, 8])
+    o, _, prefill, _, _, turn2 = two_turns(tokenizer, args, decode)
+    partial = prefill.prefill
+
+    def only_once(request_id, prompt_ids, params, skip_tokens=0):
+        prefill.prefill = ScriptedPrefill(error=PoolError("prefill: not healthy")).prefill
+        return partial(request_id, prompt_ids, params, skip_tokens)
+
+    prefill.prefill = only_once
+    with pytest.raises(PoolError, match="decode lacked the prompt's prefix, and prefill failed"):
+        o.run(turn2, lambda r: None)

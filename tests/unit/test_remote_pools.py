@@ -3,14 +3,16 @@ code, never by words in its message, and send the codec's tensors with their dty
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
 from disagg import contracts as C
-from disagg.codec.pools import DecodeCall, PrefillCall
+from disagg.codec.pools import DecodeCall, PrefillCall, PrefillResponse
 from disagg.engine.sequence import SamplingParams
-from disagg.errors import PoolError, RequestError
+from disagg.errors import KVPrefixMissError, PoolError, RequestError
 from disagg.remote import pools
+from disagg.remote.replicas import Replica
 
 pytestmark = pytest.mark.unit
 
@@ -40,6 +42,25 @@ def test_a_replicas_error_keeps_its_kind():
         pools._raise_for_error(bad, "prefill at a:1")
     with pytest.raises(PoolError, match="prefill at a:1: broke"):
         pools._raise_for_error(InferenceServerException("broke"), "prefill at a:1")
+    miss = InferenceServerException(C.tag_error(C.PREFIX_MISS, "holds 0 of the 32"))
+    with pytest.raises(KVPrefixMissError, match="decode at a:1: holds 0 of the 32"):
+        pools._raise_for_error(miss, "decode at a:1")  # the frontend resends it whole
+
+
+def test_a_prefill_call_to_another_server_carries_the_skip():
+    class Client:
+        def infer(self, model, inputs, **kwargs):
+            self.sent = {t.name(): t for t in inputs}
+            arrays = PrefillResponse.encode(5, 1, np.zeros(4, np.uint8), 9, 1, 1, 0, kv_start=32)
+            return type("Result", (), {"as_numpy": staticmethod(arrays.get)})()
+
+    pool, client = pools.GrpcPrefillPool("a:1"), Client()
+    pool.clients.get = lambda address: client
+    params = SamplingParams(max_tokens=2)
+    handoff = pool._call(Replica("a:1"), "r", list(range(40)), params, skip_tokens=32)
+    assert client.sent[C.SKIP_TOKENS].datatype() == "INT32" and handoff.kv_start == 32
+    pool._call(Replica("a:1"), "r", list(range(40)), params, skip_tokens=0)
+    assert C.SKIP_TOKENS not in client.sent  # a server that predates it takes the call
 
 
 def test_calls_go_with_the_codecs_dtypes():

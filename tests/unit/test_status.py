@@ -67,3 +67,16 @@ def test_a_frame_shows_pools_decode_and_recent_latency():
     # p50 in (0.1, 0.5]; p90 and p99 fall in the +Inf bucket: its lower bound, 1 s
     assert ttft.split()[1:4] == ["400", "1000", "1000"]
     assert "protect_decode" in frame
+
+
+def test_a_frame_shows_what_hand_offs_left_out_and_the_prefix_misses():
+    before = BEFORE + 'disagg_kv_handoff_skipped_bytes_total{model="orchestrator"} 1e6\n'
+    now = NOW + (
+        'disagg_kv_handoff_bytes_count{model="orchestrator",path="shm"} 4\n'
+        'disagg_kv_handoff_bytes_sum{model="orchestrator",path="shm"} 2e6\n'
+        'disagg_kv_handoff_skipped_bytes_total{model="orchestrator"} 31e6\n'
+        'disagg_kv_handoff_prefix_misses_total{model="orchestrator"} 2\n'
+    )
+    line = next(x for x in render(parse(before), parse(now), 10.0).splitlines() if "left out" in x)
+    assert "3.0 MB/s, 31 MB in all" in line and "prefix misses 2 (2 in all)" in line
+    assert not any("left out" in x for x in render(parse(BEFORE), parse(NOW), 10.0).splitlines())

@@ -17,7 +17,7 @@ import pytest
 from disagg import contracts as C
 from disagg.codec.generate import CLIENT_OUTPUTS
 from disagg.engine.sequence import SamplingParams
-from disagg.errors import ConfigError, KVPayloadError, PoolError, RequestError
+from disagg.errors import ConfigError, KVPayloadError, KVPrefixMissError, PoolError, RequestError
 
 pytestmark = pytest.mark.unit
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
@@ -93,6 +93,7 @@ def test_fields_are_read_by_kind_and_a_batch_of_two_is_refused(t):
         (RequestError("prompt is empty"), "INVALID_ARG", C.INVALID_REQUEST),
         (PoolError("decode is down"), "UNAVAILABLE", C.UNAVAILABLE),
         (RuntimeError("a bug"), "INTERNAL", C.INTERNAL),
+        (KVPrefixMissError("holds 0 of the 32"), "UNAVAILABLE", C.PREFIX_MISS),
     ],
 )
 def test_an_error_response_carries_its_kind_in_the_code_and_the_message(t, exc, code, kind):
@@ -111,6 +112,9 @@ def test_a_failed_sub_request_keeps_a_client_error_a_client_error(t):
     with pytest.raises(PoolError, match="prefill: .*engine broke"):
         t.pb.raise_for_error(t.pb.error_response(RuntimeError("engine broke")), "prefill")
     t.pb.raise_for_error(t.u.InferenceResponse([]), "prefill")  # no error: nothing raised
+    miss = t.pb.error_response(KVPrefixMissError("holds 0 of the 32"))
+    with pytest.raises(KVPrefixMissError, match="^decode: holds 0 of the 32$"):
+        t.pb.raise_for_error(miss, "decode")  # the orchestrator resends the whole prompt
 
 
 def test_the_routers_final_response_says_where_it_was_routed(t):
@@ -160,6 +164,10 @@ def test_prefill_pool_reads_what_the_prefill_model_sends(t):
     pool = t.pools.BlsPrefillPool("prefill", timeout_s=3.0)
     handoff = pool.prefill("r1", [1, 2, 3], SamplingParams(max_tokens=4))
     assert (handoff.first_token, handoff.seed, handoff.worker_pid) == (42, 9, 77)
+    assert C.SKIP_TOKENS not in {i.name() for i in t.u.InferenceRequest.last.inputs}
+    pool.prefill("r1", list(range(40)), SamplingParams(max_tokens=4), skip_tokens=32)
+    skip = t.u.get_input_tensor_by_name(t.u.InferenceRequest.last, C.SKIP_TOKENS)
+    assert skip.as_numpy().tolist() == [32]  # what decode holds stays out of the payload
     assert np.array_equal(handoff.kv_payload, payload)
     assert (handoff.prefill_time_s, handoff.start_wall_s) == (0.0015, 2.0)
     sent = t.u.InferenceRequest.last

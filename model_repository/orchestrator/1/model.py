@@ -15,8 +15,9 @@ from disagg.engine.config import load_model_args
 from disagg.engine.tokenizer import Tokenizer
 from disagg.model_params import OrchestratorParams
 from disagg.pipeline.conditional import CostModel, CostParams
-from disagg.pipeline.orchestrator import Orchestrator, build_request
+from disagg.pipeline.orchestrator import Orchestrator
 from disagg.pipeline.prefix_locality import PrefixLocality
+from disagg.pipeline.request import build_request
 from disagg.triton import bls, pb, pb_metrics, pools, runner
 
 BATCHED = True  # max_batch_size > 0: tensors carry a batch dimension (of 1)

@@ -59,16 +59,19 @@ class TritonPythonModel:
     def _prefill(self, request, i: int):
         try:
             bls.check_internal(request, "prefill")
-            prompt, params = prefill_side.read_prefill_call(request)
+            call = prefill_side.read_prefill_call(request)
+            prompt, params = call.prompt_ids, call.params
             start, start_wall_ns = time.perf_counter(), time.time_ns()
             rid = request.request_id()
+            kv_start = 0  # TensorRT-LLM's payload names the whole prompt's K/V (its skip: 0)
             if self.trtllm is not None:
                 from disagg.trtllm.payload import to_bytes
 
                 result, handoff = self.trtllm.prefill(rid, prompt, params)
                 payload = np.frombuffer(to_bytes(handoff), np.uint8)
             else:
-                result = self.engine.prefill(rid, prompt, params)
+                result = self.engine.prefill(rid, prompt, params, call.skip_tokens)
+                kv_start = result.kv.start
                 if self.engine.kv_reuse is not None:
                     self.prefix_metrics.update(self.engine.kv_reuse.index.stats)
             compute_us = int((time.perf_counter() - start) * 1e6)  # the hand-off starts here
@@ -77,7 +80,7 @@ class TritonPythonModel:
                 if self.kv is not None:
                     payload = self.kv.lease(payload)
             return prefill_side.prefill_response(
-                result, payload, self.pid, compute_us, start_wall_ns
+                result, payload, self.pid, compute_us, start_wall_ns, kv_start
             )
         except Exception as e:
             return pb.error_response(e)

@@ -2,7 +2,8 @@
 server: triton/pools.py; over gRPC across servers: remote/pools.py) and for the pool models
 that answer them (triton/prefill_side.py, triton/decode_side.py):
 
-    PrefillCall -> prefill -> PrefillResponse (a Handoff: first token + KV payload bytes)
+    PrefillCall -> prefill -> PrefillResponse (a Handoff: first token + KV payload bytes,
+                                               from the prompt position decode lacks)
     DecodeCall (a Handoff, or prompt ids) -> decode -> DecodeStepResponse, one per step
 
 The pools have no batch dimension (max_batch_size 0). Sampling parameters travel as one
@@ -37,20 +38,43 @@ def _first_int(arrays: Mapping[str, Array], name: str) -> int:
 # ------------------------------------------------------------------ prefill
 
 
-class PrefillCall:
-    """orchestrator -> prefill: the prompt and how to sample its first token."""
+@dataclass(frozen=True)
+class PrefillInput:
+    """What the prefill model is asked."""
 
-    TENSORS = Tensors((TensorSpec(C.PROMPT_IDS, np.int32, (-1,)), _SAMPLING))
+    prompt_ids: list[int]
+    params: SamplingParams
+    # leading prompt tokens (whole blocks) the payload leaves out: decode holds their K/V
+    skip_tokens: int = 0
+
+
+class PrefillCall:
+    """orchestrator -> prefill: the prompt, how to sample its first token, and how much of
+    its K/V the payload may leave out."""
+
+    TENSORS = Tensors(
+        (
+            TensorSpec(C.PROMPT_IDS, np.int32, (-1,)),
+            _SAMPLING,
+            TensorSpec(C.SKIP_TOKENS, np.int32, optional=True),  # absent: 0
+        )
+    )
 
     @staticmethod
-    def encode(prompt_ids: list[int], params: SamplingParams) -> Arrays:
-        values = {C.PROMPT_IDS: prompt_ids, C.SAMPLING: C.sampling_to_json(params)}
+    def encode(prompt_ids: list[int], params: SamplingParams, skip_tokens: int = 0) -> Arrays:
+        values: dict[str, object] = {
+            C.PROMPT_IDS: prompt_ids,
+            C.SAMPLING: C.sampling_to_json(params),
+        }
+        if skip_tokens:
+            values[C.SKIP_TOKENS] = skip_tokens
         return PrefillCall.TENSORS.encode(values)
 
     @staticmethod
-    def decode(arrays: Mapping[str, Array]) -> tuple[list[int], SamplingParams]:
+    def decode(arrays: Mapping[str, Array]) -> PrefillInput:
         f = PrefillCall.TENSORS.read(arrays, batched=False)
-        return f.get(C.PROMPT_IDS, []), C.sampling_from_json(f.get(C.SAMPLING, "{}"))
+        params = C.sampling_from_json(f.get(C.SAMPLING, "{}"))
+        return PrefillInput(f.get(C.PROMPT_IDS, []), params, f.get(C.SKIP_TOKENS, 0))
 
 
 class PrefillResponse:
@@ -65,6 +89,7 @@ class PrefillResponse:
             TensorSpec(C.PREFILL_TIME_US, np.int64),  # compute only
             TensorSpec(C.PREFILL_START_NS, np.int64),  # wall clock when compute began
             _NUM_CACHED,
+            TensorSpec(C.KV_START, np.int32),  # the payload's first prompt position
         )
     )
 
@@ -77,6 +102,7 @@ class PrefillResponse:
         compute_us: int,
         start_ns: int,
         num_cached_tokens: int = 0,
+        kv_start: int = 0,
     ) -> Arrays:
         values = {
             C.FIRST_TOKEN: first_token,
@@ -86,6 +112,7 @@ class PrefillResponse:
             C.PREFILL_TIME_US: compute_us,
             C.PREFILL_START_NS: start_ns,
             C.NUM_CACHED_TOKENS: num_cached_tokens,
+            C.KV_START: kv_start,
         }
         return PrefillResponse.TENSORS.encode(values)
 
@@ -99,6 +126,8 @@ class PrefillResponse:
             prefill_time_s=_first_int(arrays, C.PREFILL_TIME_US) / 1e6,
             start_wall_s=_first_int(arrays, C.PREFILL_START_NS) / 1e9,
             num_cached_tokens=_first_int(arrays, C.NUM_CACHED_TOKENS),
+            # absent from an older prefill server: it sent the whole prompt
+            kv_start=int(arrays[C.KV_START].reshape(-1)[0]) if C.KV_START in arrays else 0,
         )
 
 

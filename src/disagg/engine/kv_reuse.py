@@ -1,9 +1,11 @@
 """Prefix caching for an engine: the index (`prefix_cache.PrefixCache`) over the bytes
-(`KVBlockStore`), copying cached blocks into a sequence's K/V and finished blocks out.
-Why copies and not shared pages: `prefix_cache.py`'s design note."""
+(`KVBlockStore`), copying cached blocks into a sequence's K/V and finished blocks out, and
+in front of a partial hand-off's payload (`complete_handoff`). Why copies and not shared
+pages: `prefix_cache.py`'s design note."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -12,12 +14,14 @@ import torch
 
 from disagg.engine.config import EngineConfig, ModelArgs
 from disagg.engine.kernels import CPU
+from disagg.engine.kv_payload import KVPayload, check_start
 from disagg.engine.model import KVCacheSlots, zeros_kv
 from disagg.engine.prefix_cache import BlockHash, PrefixCache, block_hashes, root_hash
+from disagg.errors import KVPayloadError, KVPrefixMissError
 
 if TYPE_CHECKING:
     from disagg.engine.model import Llama
-    from disagg.engine.sequence import Sequence
+    from disagg.engine.sequence import SamplingParams, Sequence
 
 
 class KVBlockStore:
@@ -59,7 +63,8 @@ class CacheHit:
 
 
 class KVReuse:
-    """One engine's prefix cache. Used from the engine's own thread only."""
+    """One engine's prefix cache. Thread-safe: the engine's loop reads and writes it, and a
+    decode engine's add_request (another thread) completes partial hand-offs from it."""
 
     def __init__(
         self, args: ModelArgs, compute_dtype: str, num_blocks: int, block_size: int,
@@ -69,6 +74,7 @@ class KVReuse:
         self.store = KVBlockStore(args, num_blocks, block_size, device)
         self.block_size = block_size
         self._root = root_hash(args.fingerprint, compute_dtype, block_size)
+        self._lock = threading.Lock()  # the index and the rows it names change together
 
     def hashes(self, token_ids: Seq[int], salt: str) -> list[BlockHash]:
         return block_hashes(self._root, token_ids, self.block_size, salt)
@@ -77,19 +83,40 @@ class KVReuse:
         self, prompt_ids: Seq[int], salt: str, cache: KVCacheSlots, slot: int
     ) -> CacheHit:
         """Copy the prompt's longest cached prefix into positions 0.. of `slot`."""
-        hashes, found = self._match(prompt_ids, salt, count=True)
-        try:
-            if found:
-                k, v = self.store.load(found)
-                cache.write(slot, k, v)
-        finally:
-            self.index.release(found)
+        with self._lock:
+            hashes, found = self._match(prompt_ids, salt, count=True)
+            try:
+                if found:
+                    k, v = self.store.load(found)
+                    cache.write(slot, k, v)
+            finally:
+                self.index.release(found)
         return CacheHit(hashes, len(found) * self.block_size)
+
+    def load_prefix(self, kv: KVPayload, prompt_ids: Seq[int], salt: str) -> KVPayload:
+        """`kv` (prompt positions start.. of `prompt_ids`) as the whole prompt's payload, its
+        first `kv.start` positions copied from this cache now: whatever the cache evicts
+        later, the result stays whole. Raises KVPrefixMissError if any block is missing."""
+        check_start(kv.start, len(prompt_ids), self.block_size)
+        with self._lock:
+            hashes = self.hashes(prompt_ids[: kv.start], salt)
+            found = self.index.match(hashes)
+            try:
+                if len(found) < len(hashes):
+                    raise KVPrefixMissError(
+                        f"decode's prefix cache holds {len(found) * self.block_size} of the "
+                        f"{kv.start} leading prompt tokens the KV hand-off left out"
+                    )
+                k, v = self.store.load(found)  # copies: the rows may be reused after release
+            finally:
+                self.index.release(found)
+        return kv.with_prefix(k.cpu().numpy(), v.cpu().numpy())
 
     def peek(self, seq: Sequence) -> int:
         """How many prompt tokens `load_prompt` would copy now (counted in no statistic)."""
-        _, found = self._match(seq.prompt_ids, seq.params.cache_salt, count=False)
-        self.index.release(found)
+        with self._lock:
+            _, found = self._match(seq.prompt_ids, seq.params.cache_salt, count=False)
+            self.index.release(found)
         return len(found) * self.block_size
 
     def _match(
@@ -116,10 +143,30 @@ class KVReuse:
         ([L, H_kv, >= S, D]); returns how many blocks were new."""
         if hashes is None:
             hashes = self.hashes(token_ids, salt)
-        placed = self.index.allocate(hashes)
-        if placed:
-            self.store.save([b for _, b in placed], [i for i, _ in placed], k, v)
+        with self._lock:
+            placed = self.index.allocate(hashes)
+            if placed:
+                self.store.save([b for _, b in placed], [i for i, _ in placed], k, v)
         return len(placed)
+
+
+def complete_handoff(
+    reuse: KVReuse | None, kv: KVPayload, prompt_ids: Seq[int] | None, params: SamplingParams
+) -> KVPayload:
+    """A hand-off's payload as the whole prompt's: a partial one (kv.start > 0) gets its
+    first positions from decode's prefix cache `reuse` (None: it keeps none), in the
+    request's namespace, found by the prompt ids the decode call carries."""
+    if not kv.start:
+        return kv
+    if prompt_ids is None or len(prompt_ids) != kv.num_prompt_tokens:
+        given = "none" if prompt_ids is None else len(prompt_ids)
+        raise KVPayloadError(
+            f"a KV payload from position {kv.start} needs the {kv.num_prompt_tokens} prompt "
+            f"ids it continues, got {given}"
+        )
+    if reuse is None or not params.use_cache:
+        raise KVPrefixMissError("this decode engine keeps no prefix cache for the request")
+    return reuse.load_prefix(kv, prompt_ids, params.cache_salt)
 
 
 def kv_reuse_for(model: Llama, config: EngineConfig) -> KVReuse | None:

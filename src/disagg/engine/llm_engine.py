@@ -21,8 +21,8 @@ import torch
 
 from disagg.contracts import DecodeStats
 from disagg.engine.config import EngineConfig
-from disagg.engine.kv_payload import KVPayload
-from disagg.engine.kv_reuse import kv_reuse_for
+from disagg.engine.kv_payload import KVPayload, check_start
+from disagg.engine.kv_reuse import complete_handoff, kv_reuse_for
 from disagg.engine.model import KVCacheSlots, Llama, zeros_kv
 from disagg.engine.sampling import sample_batch, sample_one
 from disagg.engine.scheduler import Scheduler, SlotMove
@@ -42,7 +42,7 @@ class PrefillResult:
 
     request_id: str
     first_token: int  # output token 0, sampled with (seed, 0)
-    kv: KVPayload  # the prompt's K/V: num_tokens == num_prompt_tokens
+    kv: KVPayload  # the prompt's K/V from position kv.start (0, unless decode holds those)
     seed: int  # effective seed, so decode continues the same random stream
     prefill_time_s: float
     num_reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
@@ -80,15 +80,13 @@ class PrefillEngine:
             self._kv_buffers = zeros_kv(shape, model.device)
 
     def prefill(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, skip_tokens: int = 0
     ) -> PrefillResult:
-        """The prompt's first token and K/V; a prefix cached here (in params.cache_salt's
-        namespace) is copied, not recomputed (params.use_cache False: neither read nor
-        written)."""
+        """The prompt's first token and its K/V from position `skip_tokens` (decode holds those
+        before it); a prefix cached here (in params.cache_salt's namespace) is copied, not
+        recomputed (params.use_cache False: neither read nor written)."""
         validate_request(self.model.args, self.config, prompt_ids, params)
+        check_start(skip_tokens, len(prompt_ids), self.config.block_size)
         start = time.perf_counter()
         reuse, salt = (self.kv_reuse if params.use_cache else None), params.cache_salt
         hit = reuse.load_prompt(prompt_ids, salt, self._scratch, 0) if reuse else None
@@ -103,7 +101,8 @@ class PrefillEngine:
             reuse.save(prompt_ids, salt, k, v, hashes=hit.hashes)
         seed = resolve_seed(params)
         first = sample_one(logits.cpu(), params, seed, [])
-        kv = KVPayload.from_arrays(self.model.args, k.cpu().numpy(), v.cpu().numpy())
+        k, v = k[:, :, skip_tokens:], v[:, :, skip_tokens:]  # views: pack copies only these
+        kv = KVPayload.from_arrays(self.model.args, k.cpu().numpy(), v.cpu().numpy(), skip_tokens)
         reused = hit.num_cached_tokens if hit else 0
         return PrefillResult(request_id, first, kv, seed, time.perf_counter() - start, reused)
 
@@ -157,14 +156,20 @@ class DecodeEngine:
         """Queue a sequence: with `prefill` (its KV imported; `prompt_ids`, if given, name
         that K/V so that it joins the prefix cache too) or with `prompt_ids` alone (prefilled
         here, after what the prefix cache holds of it in `params.cache_salt`'s namespace).
-        With `params.use_cache` False the cache is neither read nor written. Raises
-        RequestError for bad input, CapacityError when the queue is full."""
+        With `params.use_cache` False the cache is neither read nor written. A partial payload
+        (kv.start > 0) gets its first positions from the cache now (no later eviction breaks
+        it). Raises RequestError for bad input, CapacityError when the queue is full,
+        KVPrefixMissError when the cache lacks that prefix."""
         if prompt_ids is None and prefill is None:
             raise RequestError("give prompt_ids, a prefill result, or both")
+        pending = None
         if prefill is not None:
             prefill.kv.check_compatible(self.model.args)
             params.validate(self.model.args.vocab_size, self.config.max_tokens_limit)
-            prompt_len, output, seed = prefill.kv.num_tokens, [prefill.first_token], prefill.seed
+            pending = complete_handoff(self.kv_reuse, prefill.kv, prompt_ids, params)
+            if pending is not prefill.kv:  # made whole with the prompt ids the call carries
+                validate_request(self.model.args, self.config, prompt_ids or [], params)
+            prompt_len, output, seed = pending.num_tokens, [prefill.first_token], prefill.seed
             if prompt_ids is not None and len(prompt_ids) != prompt_len:
                 prompt_ids = None  # not what the K/V were made from: not cached
         else:  # validate_request checks the sampling parameters too
@@ -178,7 +183,7 @@ class DecodeEngine:
             params,
             seed,
             self.eos_token_ids,
-            pending_kv=prefill.kv if prefill else None,
+            pending_kv=pending,
             prompt_ids=list(prompt_ids) if prompt_ids is not None else [],
             use_cache=params.use_cache and self.kv_reuse is not None,
         )

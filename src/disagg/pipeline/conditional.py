@@ -41,7 +41,8 @@ The cheaper side wins; ties go local (no hand-off to fail). Each decision names 
   prefix_cached   local: decode holds most of this prompt's K/V already
 
 Each side prefills only what its prefix cache lacks (`cached_local`, `cached_remote`: the
-orchestrator's estimate, pipeline/prefix_locality.py); the hand-off still moves all of it.
+orchestrator's estimate, pipeline/prefix_locality.py), and the hand-off moves only what
+decode lacks (pipeline/handoff.py: H counts the tokens after `cached_local`).
 
 Costs are in seconds of added waiting summed over the requests affected: one second of a new
 request's TTFT weighs as much as one second of stall for each running sequence.
@@ -135,7 +136,8 @@ class CostModel:
         with self._lock:
             local_spt, remote_spt = self.local_s_per_token, self.remote_s_per_token
             stall = self.remote_stall
-            handoff = self.handoff_fixed_s + num_prompt_tokens * self.handoff_s_per_token
+            moved = max(num_prompt_tokens - cached_local, 1)  # decode holds the rest
+            handoff = self.handoff_fixed_s + moved * self.handoff_s_per_token
         p_local = max(num_prompt_tokens - cached_local, 1) * local_spt
         p_remote = max(num_prompt_tokens - cached_remote, 1) * remote_spt
         queue = load.prefill_queue_tokens * remote_spt / p.prefill_instances

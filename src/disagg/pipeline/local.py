@@ -51,11 +51,13 @@ class LocalPrefillPool:
         self.engine = engine
         self._lock = threading.Lock()
 
-    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Handoff:
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, skip_tokens: int = 0
+    ) -> Handoff:
         with self._lock:
             start_wall = time.time()
             try:
-                result = self.engine.prefill(request_id, prompt_ids, params)
+                result = self.engine.prefill(request_id, prompt_ids, params, skip_tokens)
             except RequestError:
                 raise
             except Exception as e:  # the pool's failure: the orchestrator falls back
@@ -68,6 +70,7 @@ class LocalPrefillPool:
             prefill_time_s=result.prefill_time_s,
             start_wall_s=start_wall,
             num_cached_tokens=result.num_reused_tokens,
+            kv_start=result.kv.start,
         )
 
 

@@ -4,6 +4,9 @@
          |                                                 |
          `--- fails or times out: decode prefills itself --'   (nothing is lost)
 
+The payload leaves out the leading blocks decode probably holds (pipeline/handoff.py); when
+decode lacks them after all, the whole prompt's K/V is handed off again.
+
 The pools are interfaces: `local.py` implements them in this process, `triton/pools.py`
 with BLS calls into this Triton server; a remote server would implement the same two
 methods. The orchestrator turns tokens into text (whole characters, stop strings) so that
@@ -17,13 +20,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
-
-import numpy as np
-import numpy.typing as npt
+from typing import Protocol
 
 from disagg import contracts as C
-from disagg.codec.generate import GenerationFields
 from disagg.contracts import (
     COLOCATED,
     CONDITIONAL,
@@ -33,13 +32,13 @@ from disagg.contracts import (
     DecodeStep,
     Handoff,
     Reply,
-    child_request_id,
 )
 from disagg.engine.config import EngineConfig, ModelArgs
 from disagg.engine.sequence import FinishReason, SamplingParams, validate_request
 from disagg.engine.tokenizer import TextStream, Tokenizer
-from disagg.errors import PoolError, RequestError
+from disagg.errors import KVPrefixMissError, PoolError
 from disagg.pipeline.conditional import CostModel, Load, LoadTracker
+from disagg.pipeline.handoff import kv_path, skip_tokens
 from disagg.pipeline.prefix_locality import DECODE, PREFILL, PrefixLocality
 from disagg.pipeline.request import GenerateRequest, RequestRun
 
@@ -47,8 +46,11 @@ log = logging.getLogger("disagg.orchestrator")
 
 
 class PrefillPool(Protocol):
-    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Handoff:
-        """Raises RequestError for a bad request, PoolError for anything else."""
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, skip_tokens: int = 0
+    ) -> Handoff:
+        """Its payload leaves out the first `skip_tokens` (decode holds them). Raises
+        RequestError for a bad request, PoolError for anything else."""
         ...
 
 
@@ -82,6 +84,12 @@ class OrchestratorEvents:
 
     def kv_handoff(self, num_bytes: int, seconds: float, path: str) -> None: ...
 
+    def kv_handoff_skipped(self, num_bytes: int) -> None:
+        """Prompt K/V bytes a hand-off decode accepted left out (its prefix cache had them)."""
+
+    def kv_prefix_miss(self) -> None:
+        """Decode lacked the prefix a partial hand-off left out: it was handed off whole."""
+
     def decision(self, remote: bool, reason: str) -> None: ...
 
     def error(self, stage: str, kind: str) -> None: ...
@@ -90,69 +98,6 @@ class OrchestratorEvents:
 
     def cached_tokens(self, num_tokens: int) -> None:
         """A finished request's prompt tokens that a prefix cache gave."""
-
-
-def kv_path(payload: npt.NDArray[np.uint8]) -> tuple[str, int]:
-    """(path, payload bytes moved) of a hand-off: "network" for a reference a decode server
-    pulls from a prefill server (the bytes it names), "trtllm" for TensorRT-LLM's parameters
-    (its transceiver moves the cache), "shm" for a payload passed within one server."""
-    from disagg.kvnet import KVRef
-    from disagg.trtllm.payload import is_trtllm_payload
-
-    data = np.ascontiguousarray(payload, np.uint8).reshape(-1).data
-    ref = KVRef.parse(data)
-    if ref is not None:
-        return "network", ref.nbytes
-    if is_trtllm_payload(data):
-        return "trtllm", data.nbytes
-    return "shm", data.nbytes
-
-
-def build_request(
-    fields: dict[str, Any],
-    tokenizer: Tokenizer,
-    max_tokens_default: int,
-    caller_id: str = "",
-) -> GenerateRequest:
-    """Client-facing fields (TensorRT-LLM ensemble names, already plain Python values: codec
-    OrchestratorRequest.decode) -> a validated-shape GenerateRequest. Semantic limits are
-    checked by `check_request`."""
-    prompt_ids = [int(t) for t in fields.get(C.INPUT_IDS, [])]
-    g = GenerationFields.parse(fields)  # as the router reads them (routing/request.py)
-    for name, value in (
-        (C.MAX_TOKENS, g.max_tokens),
-        (C.TOP_K, g.top_k),
-        (C.END_ID, g.end_id),
-        (C.PAD_ID, g.pad_id),
-    ):
-        if value is not None and value < 0:
-            # Triton's HTTP endpoint stores a JSON number above 2**31-1 into the INT32 tensor
-            # modulo 2**32: 3e9 arrives as -1294967296; say so rather than echo that number
-            raise RequestError(
-                f"{name} must not be negative, got {value} (if you sent a number "
-                "above 2147483647, Triton's INT32 input wrapped it around)"
-            )
-    params = SamplingParams(
-        max_tokens=max_tokens_default if g.max_tokens is None else g.max_tokens,
-        temperature=g.temperature,
-        top_k=g.top_k,
-        top_p=g.top_p,
-        seed=g.seed,
-        stop_token_ids=() if g.end_id is None else (g.end_id,),
-        stop=g.stop_words,
-        bad_words_ids=tuple(tuple(tokenizer.encode(w)) for w in g.bad_words),
-        ignore_eos=g.ignore_eos,
-        cache_salt=g.cache_salt,
-        use_cache=g.use_prefix_cache,
-    )
-    return GenerateRequest(
-        request_id=child_request_id(caller_id),
-        prompt_ids=prompt_ids,
-        prompt_text=g.text_input,
-        params=params,
-        stream=g.stream,
-        exclude_input_in_output=g.exclude_input_in_output,
-    )
 
 
 class Orchestrator:
@@ -212,6 +157,10 @@ class Orchestrator:
         finally:
             self.load.add_decode(-1)
         self.events.finished(run.served_by, finish, time.perf_counter() - req.arrival_s)
+        if run.handoff is not None and run.handoff.kv_start:  # what decode took from its cache
+            self.events.kv_handoff_skipped(
+                run.handoff.kv_start * self.model_args.kv_bytes_per_token
+            )
         self._record_locality(run)
         self.events.cached_tokens(run.num_cached_tokens)
         return run.final_reply(finish)
@@ -235,7 +184,7 @@ class Orchestrator:
         req = run.request
         for attempt in range(self.migration_limit + 1):
             try:
-                return self._decode(run)
+                return self._decode_resending(run)
             except PoolError as e:
                 last = attempt == self.migration_limit
                 if last or run.is_cancelled() or run.text.stopped:
@@ -258,6 +207,30 @@ class Orchestrator:
                 )
         raise AssertionError("unreachable")
 
+    def _decode_resending(self, run: RequestRun) -> str:
+        """Decode; when decode lacks the prefix a partial hand-off left out, hand the whole
+        prompt's K/V off and decode again (pipeline/handoff.py)."""
+        try:
+            return self._decode(run)
+        except KVPrefixMissError as e:
+            if run.handoff is None or not run.handoff.kv_start:  # (a whole one cannot miss)
+                raise PoolError(str(e)) from e
+            log.info("request %s: %s; handing off the whole prompt", run.request.request_id, e)
+            self.events.kv_prefix_miss()
+            run.handoff, run.decode_pid = self._prefill_whole(run, run.handoff), 0
+            return self._decode(run)
+
+    def _prefill_whole(self, run: RequestRun, partial: Handoff) -> Handoff:
+        """The prompt's whole K/V, continuing from the first token already sent (and with its
+        seed: the random stream decode continues)."""
+        req = run.request
+        assert self.prefill_pool is not None  # (the partial hand-off came from it)
+        try:
+            whole = self.prefill_pool.prefill(req.request_id, req.prompt_ids, req.params)
+        except PoolError as e:
+            raise PoolError(f"decode lacked the prompt's prefix, and prefill failed: {e}") from e
+        return dataclasses.replace(whole, first_token=partial.first_token, seed=partial.seed)
+
     def _decode(self, run: RequestRun) -> str:
         current = run.current
         steps = self.decode_pool.generate(
@@ -268,6 +241,8 @@ class Orchestrator:
         )
         try:
             return self._decode_steps(run, steps)
+        except KVPrefixMissError:  # decode refused it before it began: nothing to stop
+            raise
         except BaseException:  # emit failed (the caller is gone) or decode did: stop decode
             self.decode_pool.cancel(current.request_id)
             raise
@@ -326,7 +301,8 @@ class Orchestrator:
         )
         path, moved = kv_path(handoff.kv_payload)
         self.events.kv_handoff(moved, run.kv_handoff_s, path)
-        self.cost_model.observe_handoff(run.num_input_tokens, run.kv_handoff_s)
+        moved = run.num_input_tokens - handoff.kv_start  # decode took the rest from its cache
+        self.cost_model.observe_handoff(moved, run.kv_handoff_s)
 
     def _prefill(self, run: RequestRun) -> Handoff | None:
         req = run.request
@@ -334,10 +310,10 @@ class Orchestrator:
             run.served_by = COLOCATED
             return None
         n = len(req.prompt_ids)
+        cached = {DECODE: 0, PREFILL: 0}
+        if self.locality is not None and req.params.use_cache:
+            cached = self.locality.cached(req.prompt_ids, req.params.cache_salt)
         if self.mode == CONDITIONAL:
-            cached = {DECODE: 0, PREFILL: 0}
-            if self.locality is not None and req.params.use_cache:
-                cached = self.locality.cached(req.prompt_ids, req.params.cache_salt)
             decision = self.cost_model.decide(
                 n, self.load.snapshot(), cached_local=cached[DECODE], cached_remote=cached[PREFILL]
             )
@@ -347,9 +323,10 @@ class Orchestrator:
                 run.served_by = COLOCATED
                 return None
         start, sent_wall = time.perf_counter(), time.time()
+        skip = skip_tokens(cached[DECODE], n, self.engine_config.block_size)
         self.load.add_prefill(n)
         try:
-            handoff = self.prefill_pool.prefill(req.request_id, req.prompt_ids, req.params)
+            handoff = self.prefill_pool.prefill(req.request_id, req.prompt_ids, req.params, skip)
         except PoolError as e:
             log.warning(
                 "request %s: prefill pool failed (%s); decode prefills it", req.request_id, e

@@ -1,13 +1,15 @@
 """Which of this server's pools probably holds a prompt's leading K/V: the orchestrator's own
 record of where it left each request's blocks, so the conditional mode sends a prompt to
-the pool that would recompute less of it. No Triton, no torch.
+the pool that would recompute less of it, and a hand-off leaves out the blocks decode holds
+(pipeline/handoff.py). No Triton, no torch.
 
 Each pool keeps a prefix cache of its own (engine/prefix_cache.py): the prefill pool keeps
 the prompts it prefilled, decode the prompts and replies of the sequences it ran (handed
 off or prefilled itself). The orchestrator sees every request, so it records the same
 chained block hashes per pool, least recently used first, bounded by the pools' own budget.
 It is an estimate: a pool evicts on its own, restarts, or is shared with other
-orchestrator instances; a wrong guess costs only a prefill that finds less than expected.
+orchestrator instances; a wrong guess costs only a prefill that finds less than expected,
+or a partial hand-off that decode refuses and that is sent again whole.
 """
 
 from __future__ import annotations

@@ -1,17 +1,21 @@
-"""A generate request as the orchestrator receives it, and the one object that owns its state
-while it is served (`RequestRun`), as nano-vllm's `Sequence` owns a sequence: the
-orchestrator's steps take the run, never a request's pieces as separate arguments."""
+"""A generate request as the orchestrator receives it (`build_request` makes one from the
+client's fields), and the one object that owns its state while it is served (`RequestRun`),
+as nano-vllm's `Sequence` owns a sequence: the orchestrator's steps take the run, never a
+request's pieces as separate arguments."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from disagg.codec.generate import EXCLUDE_INPUT_DEFAULT
+from disagg import contracts as C
+from disagg.codec.generate import EXCLUDE_INPUT_DEFAULT, GenerationFields
 from disagg.contracts import Handoff, Reply
 from disagg.engine.sequence import SamplingParams
-from disagg.engine.tokenizer import TextStream
+from disagg.engine.tokenizer import TextStream, Tokenizer
+from disagg.errors import RequestError
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,53 @@ class GenerateRequest:
     stream: bool = False
     exclude_input_in_output: bool = EXCLUDE_INPUT_DEFAULT  # one default, the codec's
     arrival_s: float = field(default_factory=time.perf_counter)  # TTFT and e2e count from here
+
+
+def build_request(
+    fields: dict[str, Any],
+    tokenizer: Tokenizer,
+    max_tokens_default: int,
+    caller_id: str = "",
+) -> GenerateRequest:
+    """Client-facing fields (TensorRT-LLM ensemble names, already plain Python values: codec
+    OrchestratorRequest.decode) -> a validated-shape GenerateRequest. Semantic limits are
+    checked by `check_request`."""
+    prompt_ids = [int(t) for t in fields.get(C.INPUT_IDS, [])]
+    g = GenerationFields.parse(fields)  # as the router reads them (routing/request.py)
+    for name, value in (
+        (C.MAX_TOKENS, g.max_tokens),
+        (C.TOP_K, g.top_k),
+        (C.END_ID, g.end_id),
+        (C.PAD_ID, g.pad_id),
+    ):
+        if value is not None and value < 0:
+            # Triton's HTTP endpoint stores a JSON number above 2**31-1 into the INT32 tensor
+            # modulo 2**32: 3e9 arrives as -1294967296; say so rather than echo that number
+            raise RequestError(
+                f"{name} must not be negative, got {value} (if you sent a number "
+                "above 2147483647, Triton's INT32 input wrapped it around)"
+            )
+    params = SamplingParams(
+        max_tokens=max_tokens_default if g.max_tokens is None else g.max_tokens,
+        temperature=g.temperature,
+        top_k=g.top_k,
+        top_p=g.top_p,
+        seed=g.seed,
+        stop_token_ids=() if g.end_id is None else (g.end_id,),
+        stop=g.stop_words,
+        bad_words_ids=tuple(tuple(tokenizer.encode(w)) for w in g.bad_words),
+        ignore_eos=g.ignore_eos,
+        cache_salt=g.cache_salt,
+        use_cache=g.use_prefix_cache,
+    )
+    return GenerateRequest(
+        request_id=C.child_request_id(caller_id),
+        prompt_ids=prompt_ids,
+        prompt_text=g.text_input,
+        params=params,
+        stream=g.stream,
+        exclude_input_in_output=g.exclude_input_in_output,
+    )
 
 
 @dataclass(eq=False)

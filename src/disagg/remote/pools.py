@@ -110,7 +110,9 @@ class GrpcPrefillPool:
         self.clients = ClientCache()
         self.replicas = ReplicaSet(replicas, probe=lambda a: self.clients.probe(a, model))
 
-    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Handoff:
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, skip_tokens: int = 0
+    ) -> Handoff:
         tried: set[str] = set()
         last = "no prefill replica is up"
         for _ in range(self.tries):
@@ -120,7 +122,7 @@ class GrpcPrefillPool:
             tried.add(replica.address)
             try:
                 with self.replicas.using(replica):
-                    return self._call(replica, request_id, prompt_ids, params)
+                    return self._call(replica, request_id, prompt_ids, params, skip_tokens)
             except InferenceServerException as e:
                 if not _unreachable(e):
                     _raise_for_error(e, f"prefill at {replica.address}")
@@ -129,12 +131,17 @@ class GrpcPrefillPool:
         raise PoolError(last)
 
     def _call(
-        self, replica: Replica, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        replica: Replica,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        skip_tokens: int,
     ) -> Handoff:
         names = PrefillResponse.TENSORS.names
         result = self.clients.get(replica.address).infer(
             self.model,
-            grpc_inputs(PrefillCall.encode(prompt_ids, params)),
+            grpc_inputs(PrefillCall.encode(prompt_ids, params, skip_tokens)),
             outputs=[grpcclient.InferRequestedOutput(n) for n in names],
             request_id=request_id,
             client_timeout=self.timeout_s,

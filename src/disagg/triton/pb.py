@@ -115,7 +115,9 @@ def error_code(exc: Exception) -> int:
     kind = C.error_kind_of(exc)
     if kind is C.ErrorKind.INVALID_REQUEST:
         return codes.INVALID_ARG
-    return codes.UNAVAILABLE if kind is C.ErrorKind.UNAVAILABLE else codes.INTERNAL
+    if kind in (C.ErrorKind.UNAVAILABLE, C.ErrorKind.PREFIX_MISS):
+        return codes.UNAVAILABLE
+    return codes.INTERNAL
 
 
 def error_response(exc: Exception) -> pb_utils.InferenceResponse:
@@ -132,8 +134,11 @@ def raise_for_error(response: pb_utils.InferenceResponse, what: str) -> None:
         return
     err = response.error()
     assert err is not None, "has_error() says there is one"
+    kind, message = C.split_error(err.message())
     if err.code() == pb_utils.TritonError.INVALID_ARG:
-        raise RequestError(C.split_error(err.message())[1])
+        raise RequestError(message)
+    if kind is C.ErrorKind.PREFIX_MISS:  # the caller resends the whole prompt's K/V
+        raise C.error_from_kind(kind, message, what)
     raise PoolError(f"{what}: {err.message()}")
 
 

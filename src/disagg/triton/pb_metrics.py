@@ -174,6 +174,8 @@ class OrchestratorMetrics:
         self.requests, self.errors = Family(M.REQUESTS, **f), Family(M.ERRORS, **f)
         self.queue, self.prefill_s = Family(M.QUEUE), Family(M.PREFILL)
         self.kv_bytes, self.kv_s = Family(M.KV_BYTES, **f), Family(M.KV_SECONDS, **f)
+        self.kv_skipped = Family(M.KV_SKIPPED_BYTES, **f)
+        self.kv_misses = Family(M.KV_PREFIX_MISSES, **f)
         self.decisions = Family(M.DECISIONS, **f)
         self.prefill_queue = Family(M.PREFILL_QUEUE_TOKENS, **f)
         self.cached = Family(M.CACHED_TOKENS, **f)
@@ -199,6 +201,12 @@ class OrchestratorMetrics:
     def kv_handoff(self, num_bytes: int, seconds: float, path: str) -> None:
         self.kv_bytes.observe(num_bytes, path=path)
         self.kv_s.observe(seconds, path=path)
+
+    def kv_handoff_skipped(self, num_bytes: int) -> None:
+        self.kv_skipped.inc(num_bytes)
+
+    def kv_prefix_miss(self) -> None:
+        self.kv_misses.inc()
 
     def decision(self, remote: bool, reason: str) -> None:
         self.decisions.inc(prefill="remote" if remote else "local", reason=reason)

@@ -28,11 +28,13 @@ class BlsPrefillPool:
         self.model_name = model_name
         self.timeout_us = int(timeout_s * 1e6)
 
-    def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Handoff:
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, skip_tokens: int = 0
+    ) -> Handoff:
         req = pb_utils.InferenceRequest(
             model_name=self.model_name,
             request_id=request_id,
-            inputs=tensors(PrefillCall.encode(prompt_ids, params)),
+            inputs=tensors(PrefillCall.encode(prompt_ids, params, skip_tokens)),
             requested_output_names=list(PrefillResponse.TENSORS.names),
             timeout=self.timeout_us,
             parameters=BLS_PARAMETERS,

@@ -11,9 +11,8 @@ import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as C
 from disagg import kvnet
-from disagg.codec.pools import PrefillCall, PrefillResponse
+from disagg.codec.pools import PrefillCall, PrefillInput, PrefillResponse
 from disagg.codec.tensors import Array
-from disagg.engine.sequence import SamplingParams
 from disagg.kvnet import KVLeases, KVRef, KVServer
 from disagg.triton.pb import input_arrays, tensors
 
@@ -21,19 +20,20 @@ if TYPE_CHECKING:
     from disagg.model_params import PrefillParams
 
 
-def read_prefill_call(request: pb_utils.InferenceRequest) -> tuple[list[int], SamplingParams]:
-    """(prompt ids, sampling parameters) of an orchestrator's prefill call."""
+def read_prefill_call(request: pb_utils.InferenceRequest) -> PrefillInput:
+    """The prompt ids, sampling parameters and skip of an orchestrator's prefill call."""
     return PrefillCall.decode(input_arrays(request, PrefillCall.TENSORS.names))
 
 
 def prefill_response(
-    result: Any, payload: Array, pid: int, compute_us: int, start_ns: int
+    result: Any, payload: Array, pid: int, compute_us: int, start_ns: int, kv_start: int = 0
 ) -> pb_utils.InferenceResponse:
     """The prefill model's answer to a prefill call: `result` a PrefillResult (or
-    TensorRT-LLM's), `payload` the KV payload's bytes (or a KVRef to them)."""
+    TensorRT-LLM's), `payload` the KV payload's bytes (or a KVRef to them), which hold the
+    prompt's K/V from position `kv_start` on."""
     arrays = PrefillResponse.encode(
         result.first_token, result.seed, payload, pid, compute_us, start_ns,
-        getattr(result, "num_reused_tokens", 0),
+        getattr(result, "num_reused_tokens", 0), kv_start,
     )  # fmt: skip
     return pb_utils.InferenceResponse(tensors(arrays))
 
