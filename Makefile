@@ -27,7 +27,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 venv: $(VENV)/.installed
 
-$(ENGINE_DIR)/config.json: $(VENV)/.installed
+# (config.py holds the engine format version: a new one rebuilds, the script is idempotent)
+$(ENGINE_DIR)/config.json: $(VENV)/.installed src/disagg/engine/config.py
 	$(PY) build_engines/build_cpu_engine.py --engine-dir $(ENGINE_DIR)
 
 engine: $(ENGINE_DIR)/config.json

@@ -60,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="matmul precision (auto: bfloat16 where the CPU has native bf16, else float32)",
     )
+    g.add_argument(
+        "--weights",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="auto: the checkpoint's own quantized blocks where their CPU kernels build; "
+        "float32 / bfloat16: dense at that precision",
+    )
     g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
     g.add_argument(
         "--co-located",
@@ -76,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             disaggregated=not a.co_located,
             compute_dtype=a.dtype,
             device=a.device,
+            weights=a.weights,
         )
         params = SamplingParams(
             max_tokens=a.max_tokens,

@@ -54,8 +54,9 @@ class LLM:
         disaggregated: bool = True,
         compute_dtype: str = "auto",
         device: str = "cpu",
+        weights: str = "auto",
     ) -> None:
-        self.model = Llama.load(engine_dir, compute_dtype, device)
+        self.model = Llama.load(engine_dir, compute_dtype, device, weights)
         self.tokenizer = Tokenizer(engine_dir)
         self.config = config or EngineConfig(max_model_len=self.model.args.max_context)
         self.prefill_engine = PrefillEngine(self.model, self.config)

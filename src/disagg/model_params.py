@@ -5,9 +5,15 @@ config lacks fails the load, not the first request that would have read it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, TypeVar
 
 from disagg.engine.config import EngineConfig
+from disagg.errors import ConfigError
+from disagg.settings import SETTING_TYPES, Setting, coerce_setting
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class PrefillParams(TrtllmPrefillParams):
     engine_backend: str
     engine_dir: str
     compute_dtype: str
+    weights: str
     device: str
     max_tokens_limit: int
     prefill_torch_threads: int
@@ -66,6 +73,7 @@ class DecodeParams(TrtllmDecodeParams):
     engine_backend: str
     engine_dir: str
     compute_dtype: str
+    weights: str
     device: str
     max_tokens_limit: int
     decode_prefill_chunk: int
@@ -120,3 +128,46 @@ class RouterParams:
     max_tokens_default: int
     run_dir: str
     orchestrator_max_concurrency: int
+
+
+# ------------------------------------------------------------------ inside the models
+# Parameters a model's config.pbtxt carries besides settings (filled by `disagg serve`).
+MODEL_ONLY_PARAMETERS = {
+    "run_dir": "str",
+    "prefill_model": "str",
+    "decode_model": "str",
+    "kv_pull": "bool",  # ServeSettings.kv_pull
+}
+Params = TypeVar("Params", bound="DataclassInstance")
+
+
+class ModelParams:
+    """A model's config.pbtxt parameters, typed: each is named as the setting it comes from
+    and parsed by the same rules (`coerce_setting`) into the same type. A parameter that names no
+    setting fails the model's load; asking for one the config lacks fails loudly too."""
+
+    def __init__(self, raw: dict[str, str], model: str = "model") -> None:
+        types = {**SETTING_TYPES, **MODEL_ONLY_PARAMETERS}
+        unknown = sorted(set(raw) - set(types))
+        if unknown:
+            raise ConfigError(f"{model}: config.pbtxt parameters {unknown} name no setting")
+        self._model = model
+        self._values = {k: coerce_setting(k, types[k], v) for k, v in raw.items()}
+
+    def __getattr__(self, name: str) -> Setting:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._values[name]
+        except KeyError:
+            raise ConfigError(
+                f"{self._model}: its config.pbtxt has no parameter {name!r}"
+            ) from None
+
+    def get(self, name: str, default: Setting | None = None) -> Setting | None:
+        return self._values.get(name, default)
+
+    def typed(self, cls: type[Params]) -> Params:
+        """`cls` (a model's dataclass in model_params.py) filled with the parameters its
+        fields name: read at once in initialize, so one the config lacks fails the load."""
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})

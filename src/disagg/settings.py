@@ -21,13 +21,10 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
 from disagg.contracts import CONDITIONAL, DISAGGREGATED, MODES
 from disagg.errors import ConfigError
-
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("all", "frontend", "prefill", "decode")
@@ -84,6 +81,10 @@ class ServeSettings:
     # matmul precision: "auto" is bfloat16 where the CPU (GPU) multiplies bf16 natively, else
     # float32; bf16 replies differ from fp32 ones after some tokens (docs/benchmarks.md)
     compute_dtype: str = "auto"
+    # what the matmuls read: "auto" is the checkpoint's own quantized blocks (GGUF Q4_0/Q4_1/
+    # Q8_0) where their CPU kernels build (engine/quant.py: a C compiler), else dense weights
+    # at compute_dtype; "float32" / "bfloat16": dense at that precision (compute_dtype unused)
+    weights: str = "auto"
     # where disagg's engine (engine_backend pytorch) runs: "cpu", or "cuda" / "cuda:N"
     device: str = "cpu"
     # the engine of the prefill and decode pools: "pytorch" (disagg's, CPU) or "tensorrt_llm"
@@ -156,6 +157,10 @@ class ServeSettings:
             raise ConfigError(
                 "setting compute_dtype must be auto, float32 or bfloat16, "
                 f"got {self.compute_dtype!r}"
+            )
+        if self.weights not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(
+                f"setting weights must be auto, float32 or bfloat16, got {self.weights!r}"
             )
         if self.engine_backend not in ("pytorch", "tensorrt_llm"):
             raise ConfigError(
@@ -260,7 +265,7 @@ class ServeSettings:
             if raw is not None:
                 values[name] = raw
         for name, value in list(values.items()):
-            values[name] = _coerce(name, str(known[name].type), value)
+            values[name] = coerce_setting(name, str(known[name].type), value)
         return replace(cls(), **values)
 
 
@@ -311,7 +316,7 @@ def _flatten_groups(values: dict[str, object]) -> dict[str, object]:
     return flat
 
 
-def _coerce(name: str, type_name: str, value: object) -> Setting:
+def coerce_setting(name: str, type_name: str, value: object) -> Setting:
     if type_name == "bool":
         if isinstance(value, bool):
             return value
@@ -355,46 +360,5 @@ def template_values(s: ServeSettings, run_dir: Path) -> dict[str, str]:
     return values
 
 
-# ------------------------------------------------------------------ inside the models
-# Parameters a model's config.pbtxt carries besides settings (filled by `disagg serve`).
-MODEL_ONLY_PARAMETERS = {
-    "run_dir": "str",
-    "prefill_model": "str",
-    "decode_model": "str",
-    "kv_pull": "bool",  # ServeSettings.kv_pull
-}
-_SETTING_TYPES = {f.name: str(f.type) for f in fields(ServeSettings)}
+SETTING_TYPES = {f.name: str(f.type) for f in fields(ServeSettings)}
 Setting = str | int | float | bool  # a setting's value, of the type its field names
-Params = TypeVar("Params", bound="DataclassInstance")
-
-
-class ModelParams:
-    """A model's config.pbtxt parameters, typed: each is named as the setting it comes from
-    and parsed by the same rules (`_coerce`) into the same type. A parameter that names no
-    setting fails the model's load; asking for one the config lacks fails loudly too."""
-
-    def __init__(self, raw: dict[str, str], model: str = "model") -> None:
-        types = {**_SETTING_TYPES, **MODEL_ONLY_PARAMETERS}
-        unknown = sorted(set(raw) - set(types))
-        if unknown:
-            raise ConfigError(f"{model}: config.pbtxt parameters {unknown} name no setting")
-        self._model = model
-        self._values = {k: _coerce(k, types[k], v) for k, v in raw.items()}
-
-    def __getattr__(self, name: str) -> Setting:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return self._values[name]
-        except KeyError:
-            raise ConfigError(
-                f"{self._model}: its config.pbtxt has no parameter {name!r}"
-            ) from None
-
-    def get(self, name: str, default: Setting | None = None) -> Setting | None:
-        return self._values.get(name, default)
-
-    def typed(self, cls: type[Params]) -> Params:
-        """`cls` (a model's dataclass in model_params.py) filled with the parameters its
-        fields name: read at once in initialize, so one the config lacks fails the load."""
-        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})

@@ -192,7 +192,7 @@ def test_sync_twins_are_their_streaming_models_answering_once(rendered):
 def test_model_parameters_are_typed_and_named_as_settings(rendered):
     """Each model reads its config.pbtxt parameters through ModelParams: every key names a
     setting (or a model-only parameter) and comes back in the setting's type."""
-    from disagg.settings import ModelParams
+    from disagg.model_params import ModelParams
 
     for name, cfg in rendered.items():
         raw = {k: v.string_value for k, v in cfg.parameters.items()}
@@ -226,7 +226,7 @@ def test_each_model_reads_its_whole_config_into_its_typed_params(rendered):
     carries, each of the type ModelParams parses it into: initialize reads them all."""
     from dataclasses import fields
 
-    from disagg.settings import ModelParams
+    from disagg.model_params import ModelParams
 
     with_params = {name for name, cfg in rendered.items() if cfg.parameters}
     assert with_params == set(MODEL_PARAMS)

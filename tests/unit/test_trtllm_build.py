@@ -14,9 +14,11 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from disagg.engine.config import ENGINE_FORMAT_VERSION
 from disagg.engine.tokenizer import Tokenizer
+from disagg.model_params import ModelParams
 from disagg.serve.render import render_repositories
-from disagg.settings import ModelParams, ServeSettings, template_values
+from disagg.settings import ServeSettings, template_values
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +113,7 @@ def test_a_build_writes_options_the_llm_api_accepts_and_settings_serve_loads(
     tok = Tokenizer(settings.path("engine_dir"))
     assert tok.eos_token_id is not None and tok.encode("Hello") != []
     meta = json.loads((out / "disagg" / "config.json").read_text())
-    assert meta["format_version"] == 1 and meta["n_kv_heads"] == 2
+    assert meta["format_version"] == ENGINE_FORMAT_VERSION and meta["n_kv_heads"] == 2
     assert not (out / "disagg" / "model.safetensors").exists()
 
 

@@ -29,7 +29,7 @@ class TritonPythonModel:
             return
         pb.set_torch_threads(p.prefill_torch_threads)
         self.engine = PrefillEngine(
-            Llama.load(p.engine_dir, p.compute_dtype, p.device),
+            Llama.load(p.engine_dir, p.compute_dtype, p.device, p.weights),
             p.engine_config(),
             reuse_kv_buffers=True,
         )

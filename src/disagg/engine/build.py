@@ -19,6 +19,7 @@ from disagg.engine.checkpoint import GGUF_TO_HF_LAYER_NAMES, Checkpoint, Progres
 from disagg.engine.config import (
     CONFIG_FILE,
     ENGINE_FORMAT_VERSION,
+    QUANT_WEIGHTS_FILE,
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     WEIGHTS_FILE,
@@ -92,6 +93,8 @@ def build_engine(
     tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=engine_dir.parent))
     try:
         save_file(weights, str(tmp / WEIGHTS_FILE))
+        if ckpt.blocks is not None:
+            _save_blocks(ckpt, tmp / QUANT_WEIGHTS_FILE)
         digest = _sha256(tmp / WEIGHTS_FILE)
         args = ModelArgs(**{**ckpt.args.to_json(), "fingerprint": digest})
         config = {
@@ -110,6 +113,20 @@ def build_engine(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return engine_dir, True
+
+
+def _save_blocks(ckpt: Checkpoint, path: Path) -> None:
+    """The checkpoint's quantized tensors as it stores them (engine/quant.py serves them)."""
+    from safetensors.numpy import save_file
+
+    assert ckpt.blocks is not None
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    formats: dict[str, str] = {}
+    for b in ckpt.blocks():
+        arrays |= {f"{b.name}.qs": b.qs, f"{b.name}.d": b.d, f"{b.name}.m": b.m}
+        formats[b.name] = b.fmt
+    if arrays:
+        save_file(arrays, str(path), metadata={"formats": json.dumps(formats)})
 
 
 def _sha256(path: Path) -> str:

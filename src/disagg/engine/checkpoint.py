@@ -5,6 +5,8 @@ architecture, whose tensors stream on demand (`Checkpoint`); readers in `gguf.py
 An engine directory holds everything the server loads, and nothing it must compute again:
   config.json            ModelArgs + format version + source description
   model.safetensors      float32 weights under Hugging Face Llama names, HF RoPE layout
+  model.q.safetensors    the checkpoint's own quantized blocks of those it stores so (GGUF
+                         Q4_0/Q4_1/Q8_0): <name>.qs/.d/.m, the format in the metadata
   tokenizer.json         a `tokenizers` tokenizer
   tokenizer_config.json  chat template and special tokens
 """
@@ -57,6 +59,38 @@ def find_packaged_smollm2() -> Path:
     return path
 
 
+# bytes of one block of 32 weights: (scale, minimum or None, quants) offsets
+BLOCK_LAYOUTS = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """One weight [n, k] as the file quantized it: qs [n, k/32, 16] (4-bit, two a byte) or
+    [n, k/32, 32] (int8 bytes), d and m [n, k/32] fp32 (m zeros where the format has none)."""
+
+    name: str
+    fmt: str
+    qs: npt.NDArray[np.uint8]
+    d: npt.NDArray[np.float32]
+    m: npt.NDArray[np.float32]
+
+
+def split_blocks(
+    fmt: str, data: npt.NDArray[np.uint8]
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """GGML block bytes [n, k/32 * size] -> (qs, d, m); the fp16 scales widen exactly."""
+    size = BLOCK_LAYOUTS[fmt]
+    n = data.shape[0]
+    b = np.ascontiguousarray(data).reshape(n, -1, size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if fmt == "q4_1":
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = b[..., 4:]
+    else:
+        m, qs = np.zeros_like(d), b[..., 2:]
+    return np.ascontiguousarray(qs), d, m
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A source read far enough to know its architecture; tensors stream on demand."""
@@ -67,6 +101,8 @@ class Checkpoint:
     tokenizer_json: str  # serialized `tokenizers` tokenizer
     tokenizer_config: dict[str, Any]  # chat_template, bos/eos/pad tokens, add_bos_token
     source: dict[str, Any]  # what was read, to decide whether a rebuild is needed
+    # the tensors the file stores block-quantized, unchanged (None: it stores none)
+    blocks: Callable[[], Iterator[QuantBlocks]] | None = None
 
 
 def file_identity(path: Path) -> dict[str, str | int]:

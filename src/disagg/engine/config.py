@@ -11,9 +11,10 @@ from disagg.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+QUANT_WEIGHTS_FILE = "model.q.safetensors"  # the checkpoint's own quantized blocks
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-ENGINE_FORMAT_VERSION = 1
+ENGINE_FORMAT_VERSION = 2  # 2: model.q.safetensors
 
 
 @dataclass(frozen=True)

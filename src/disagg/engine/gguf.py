@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from disagg.engine.checkpoint import GGUF_TO_HF_LAYER_NAMES, Checkpoint, file_identity
+from disagg.engine.checkpoint import (
+    BLOCK_LAYOUTS,
+    GGUF_TO_HF_LAYER_NAMES,
+    Checkpoint,
+    QuantBlocks,
+    file_identity,
+    split_blocks,
+)
 from disagg.engine.config import ModelArgs
 from disagg.errors import ConfigError
 
@@ -74,21 +81,32 @@ def read_gguf(path: str | Path, max_context: int) -> Checkpoint:
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
     )
 
+    def unpermute(name: str, w: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        if name.endswith("q_proj.weight"):
+            return _unpermute_rope(w, n_heads)
+        if name.endswith("k_proj.weight"):
+            return _unpermute_rope(w, n_kv_heads)
+        return w
+
     def tensors() -> Iterator[tuple[str, npt.NDArray[np.float32]]]:
         for t in reader.tensors:
             name = _gguf_to_hf_name(t.name)
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-            if name.endswith("q_proj.weight"):
-                w = _unpermute_rope(w, n_heads)
-            elif name.endswith("k_proj.weight"):
-                w = _unpermute_rope(w, n_kv_heads)
-            yield name, np.ascontiguousarray(w)
+            yield name, np.ascontiguousarray(unpermute(name, w))
+
+    def blocks() -> Iterator[QuantBlocks]:
+        for t in reader.tensors:
+            fmt = t.tensor_type.name.lower()
+            if fmt in BLOCK_LAYOUTS:  # rows are permuted whole: blocks stay blocks
+                name = _gguf_to_hf_name(t.name)
+                yield QuantBlocks(name, fmt, *split_blocks(fmt, unpermute(name, t.data)))
 
     tok_json, tok_config = _gguf_tokenizer(reader)
     return Checkpoint(
         args=args,
         num_tensors=len(reader.tensors),
         tensors=tensors,
+        blocks=blocks,
         tokenizer_json=tok_json,
         tokenizer_config=tok_config,
         source={"kind": "gguf", **file_identity(path)},

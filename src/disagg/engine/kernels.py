@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from disagg.engine.quant import DIRECT_ROWS, QuantLinear, qlinear
 from disagg.errors import ConfigError
 
 HAS_ONEDNN = (
@@ -26,6 +27,22 @@ class Linear:
     weight: torch.Tensor
     pad_one_row: bool = False  # compute a single row as two rows (see `linear`)
     onednn: bool = False
+
+
+@dataclass(frozen=True)
+class BlockLinear:
+    """A weight kept twice: in the checkpoint's quantized blocks, which decode steps read (a
+    quarter of the bytes: those steps are bound by bytes), and as the fp32 weights those
+    blocks stand for, packed, which prefill multiplies (compute bound: oneDNN's GEMM is about
+    twice as fast as the block kernel there). Both give the same weights, so prefill's
+    results equal the dense engine's; a decode row's summation order differs from it."""
+
+    blocks: QuantLinear
+    dense: Linear | None  # None: rows beyond DIRECT_ROWS expand the blocks per call
+
+    @property
+    def fmt(self) -> str:
+        return self.blocks.fmt
 
 
 def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -107,12 +124,18 @@ def pack(w: torch.Tensor, dtype: torch.dtype = torch.float32, onednn: bool = HAS
     return Linear(_onednn_pack(w), pad, onednn=True)
 
 
-def linear(x: torch.Tensor, lin: Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, lin: Linear | BlockLinear) -> torch.Tensor:
     """x @ w.T for x: [M, in].
 
     Batch invariant: a row's result does not depend on the other rows, so a sequence decodes
     to the same tokens alone or in any batch. Where oneDNN's single-row kernel sums in
-    another order, one row is computed as two (the weights are still read once)."""
+    another order, one row is computed as two (the weights are still read once). Quantized
+    weights go to engine/quant.py (invariant by construction) for up to DIRECT_ROWS rows,
+    which covers every decode batch (max_num_seqs is capped there)."""
+    if isinstance(lin, BlockLinear):
+        if x.shape[0] > DIRECT_ROWS and lin.dense is not None:
+            return linear(x, lin.dense)
+        return qlinear(x, lin.blocks)
     if lin.weight.dtype != x.dtype:  # bf16 weights: bf16 in, fp32 residual stream out
         return linear(x.to(lin.weight.dtype), lin).float()
     if not lin.onednn:

@@ -174,6 +174,6 @@ def kv_reuse_for(model: Llama, config: EngineConfig) -> KVReuse | None:
     if config.num_prefix_cache_blocks == 0:
         return None
     return KVReuse(
-        model.args, model.compute_dtype, config.num_prefix_cache_blocks, config.block_size,
+        model.args, model.weights, config.num_prefix_cache_blocks, config.block_size,
         model.device,
     )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Prefill and decode engines: the two halves of a request, runnable in different processes.
+"""Prefill and decode engines: the two halves of a request, runnable in different processes
+(the prefill half in engine/prefill_engine.py, re-exported here).
 
 PrefillEngine.prefill(request)  -> PrefillResult (first token + portable KV payload)
 DecodeEngine.add_request(...)    a sequence joins, with an imported KV payload
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -21,9 +21,11 @@ import torch
 
 from disagg.contracts import DecodeStats
 from disagg.engine.config import EngineConfig
-from disagg.engine.kv_payload import KVPayload, check_start
+from disagg.engine.kv_payload import KVPayload
 from disagg.engine.kv_reuse import complete_handoff, kv_reuse_for
-from disagg.engine.model import KVCacheSlots, Llama, zeros_kv
+from disagg.engine.model import KVCacheSlots, Llama
+from disagg.engine.prefill_engine import PrefillEngine, PrefillResult, resolve_seed
+from disagg.engine.quant import DIRECT_ROWS
 from disagg.engine.sampling import sample_batch, sample_one
 from disagg.engine.scheduler import Scheduler, SlotMove
 from disagg.engine.sequence import (
@@ -35,17 +37,7 @@ from disagg.engine.sequence import (
 )
 from disagg.errors import ConfigError, RequestError
 
-
-@dataclass(frozen=True)
-class PrefillResult:
-    """What prefill hands to decode (the orchestrator streams `first_token` at once)."""
-
-    request_id: str
-    first_token: int  # output token 0, sampled with (seed, 0)
-    kv: KVPayload  # the prompt's K/V from position kv.start (0, unless decode holds those)
-    seed: int  # effective seed, so decode continues the same random stream
-    prefill_time_s: float
-    num_reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+__all__ = ["DecodeEngine", "PrefillEngine", "PrefillResult", "TokenOutput", "resolve_seed"]
 
 
 @dataclass(frozen=True)
@@ -57,54 +49,6 @@ class TokenOutput:
     index: int  # position of token_id in the output (0 = first token)
     finish_reason: FinishReason | None  # set on the request's last event
     num_reused_tokens: int = 0  # with index 0: prompt tokens the prefix cache gave
-
-
-def resolve_seed(params: SamplingParams) -> int:
-    return params.seed if params.seed is not None else secrets.randbits(63)
-
-
-class PrefillEngine:
-    def __init__(self, model: Llama, config: EngineConfig, reuse_kv_buffers: bool = False) -> None:
-        """With `reuse_kv_buffers`, every result's K/V are views of one pair of buffers,
-        valid until the next prefill: for a server that packs each result at once."""
-        self.model = model
-        self.config = config
-        self.kv_reuse = kv_reuse_for(model, config)
-        # a cached prefix is copied here and the rest of the prompt prefilled after it
-        self._scratch = KVCacheSlots(model.args, 1, config.max_model_len, device=model.device)
-        # (calloc'd: costs memory only where a prompt with a cached prefix writes it)
-        self._kv_buffers = None
-        if reuse_kv_buffers and model.device.type == "cpu":
-            a = model.args
-            shape = (a.n_layers, a.n_kv_heads, config.max_model_len, a.head_dim)
-            self._kv_buffers = zeros_kv(shape, model.device)
-
-    def prefill(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, skip_tokens: int = 0
-    ) -> PrefillResult:
-        """The prompt's first token and its K/V from position `skip_tokens` (decode holds those
-        before it); a prefix cached here (in params.cache_salt's namespace) is copied, not
-        recomputed (params.use_cache False: neither read nor written)."""
-        validate_request(self.model.args, self.config, prompt_ids, params)
-        check_start(skip_tokens, len(prompt_ids), self.config.block_size)
-        start = time.perf_counter()
-        reuse, salt = (self.kv_reuse if params.use_cache else None), params.cache_salt
-        hit = reuse.load_prompt(prompt_ids, salt, self._scratch, 0) if reuse else None
-        if hit is not None and hit.num_cached_tokens:
-            n = hit.num_cached_tokens
-            logits = self.model.prefill_chunk(prompt_ids[n:], n, self._scratch, 0)
-            s = len(prompt_ids)
-            k, v = self._scratch.k[:, 0, :, :s], self._scratch.v[:, 0, :, :s]
-        else:
-            logits, k, v = self.model.prefill(prompt_ids, kv_out=self._kv_buffers)
-        if reuse is not None and hit is not None:  # (both or neither)
-            reuse.save(prompt_ids, salt, k, v, hashes=hit.hashes)
-        seed = resolve_seed(params)
-        first = sample_one(logits.cpu(), params, seed, [])
-        k, v = k[:, :, skip_tokens:], v[:, :, skip_tokens:]  # views: pack copies only these
-        kv = KVPayload.from_arrays(self.model.args, k.cpu().numpy(), v.cpu().numpy(), skip_tokens)
-        reused = hit.num_cached_tokens if hit else 0
-        return PrefillResult(request_id, first, kv, seed, time.perf_counter() - start, reused)
 
 
 class DecodeEngine:
@@ -122,6 +66,11 @@ class DecodeEngine:
             raise ConfigError(
                 f"max_model_len {config.max_model_len} exceeds the engine's max_context "
                 f"{model.args.max_context}; rebuild the engine with a larger --max-context"
+            )
+        if model.blocks and config.max_num_seqs > DIRECT_ROWS:  # (kernels.linear says why)
+            raise ConfigError(
+                f"max_num_seqs {config.max_num_seqs}: at most {DIRECT_ROWS} with quantized "
+                "weights (larger batches would change kernels); or set weights float32"
             )
         self.model = model
         self.config = config

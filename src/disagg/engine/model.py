@@ -7,7 +7,9 @@ Two entry points, one per phase:
                             reads and appends K/V in a `KVCacheSlots`.
 
 Weights are fused per layer (QKV in one matrix, gate+up in one) so each phase makes few,
-large matrix products, and are pre-packed once at load into oneDNN's blocked layout:
+large matrix products. A quantized checkpoint's layers are served in its own blocks by
+default (engine/quant.py: a quarter of the bytes per decode step); dense weights are
+pre-packed once at load into oneDNN's blocked layout:
 on 2 cores its fp32 linear reads the weights 1.5-3x faster than torch's default (MKL)
 path at 1-32 rows, the decode batch sizes, and is no slower for prefill (measured in
 benchmarks/engine_bench.py). Without oneDNN, plain `F.linear` is used.
@@ -27,10 +29,12 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from disagg.engine import quant
 from disagg.engine.config import WEIGHTS_FILE, ModelArgs, load_model_args
 from disagg.engine.kernels import (
     CPU,
     HAS_ONEDNN,
+    BlockLinear,
     Linear,
     linear,
     matmul_dtype,
@@ -38,19 +42,21 @@ from disagg.engine.kernels import (
     resolve_compute_dtype,
     resolve_device,
 )
+from disagg.engine.quant import QuantLinear
 from disagg.errors import ConfigError
 
 ATTN_BLOCK = 64
+WEIGHTS = ("auto", "float32", "bfloat16")
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [dim]
-    wqkv: Linear  # [(H + 2 * H_kv) * D, dim]
-    wo: Linear  # [dim, H * D]
+    wqkv: Linear | BlockLinear  # [(H + 2 * H_kv) * D, dim]
+    wo: Linear | BlockLinear  # [dim, H * D]
     ffn_norm: torch.Tensor  # [dim]
-    w13: Linear  # [2 * hidden, dim]: gate rows, then up rows
-    w2: Linear  # [dim, hidden]
+    w13: Linear | BlockLinear  # [2 * hidden, dim]: gate rows, then up rows
+    w2: Linear | BlockLinear  # [dim, hidden]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,57 +150,88 @@ class Llama:
         compute_dtype: str = "float32",
         device: str = "cpu",
         onednn: bool | None = None,
+        blocks: dict[str, QuantLinear] | None = None,
     ) -> None:
         """compute_dtype "bfloat16" ("auto": where the device has native bf16) stores the
         layers' matmul weights in bf16 and feeds them bf16 activations (fp32 accumulation;
         norms, attention, residual stream, KV cache and the LM head stay fp32): 40% fewer
         bytes per decode step, on CPUs with native bf16.
         `onednn` (None: where it helps, the CPU) picks the linear kernels; False on a CPU runs
-        the plain path other devices take."""
+        the plain path other devices take.
+        `blocks` (the checkpoint's quantized tensors, by HF name): those weights are served
+        in their blocks (fp32 activations, compute_dtype unused for them); the embedding
+        lookup keeps the fp32 table, the LM head takes the embedding's blocks when tied."""
         self.args = args
         self.device = resolve_device(device)
         dtype = matmul_dtype(compute_dtype, self.device)
         self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)
         self.onednn = HAS_ONEDNN and self.device.type == "cpu" if onednn is None else onednn
+        self.blocks = blocks or {}
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]  # [V, dim]
-        head = self.embed if args.tie_embeddings else w["lm_head.weight"]
-        # fp32 always: bf16 logits flipped too many argmaxes
-        self.lm_head = pack(head, onednn=self.onednn)
+        head_name = "model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight"
+        # fp32 always (bf16 logits flipped too many argmaxes), or the file's own blocks
+        head = pack(w[head_name], onednn=self.onednn)
+        head_blocks = self.blocks.get(head_name)
+        self.lm_head: Linear | BlockLinear = (
+            head if head_blocks is None else BlockLinear(head_blocks, head)
+        )
         self.norm = w["model.norm.weight"]
         self.layers = [self._fuse(w, i, dtype) for i in range(args.n_layers)]
+        # what the matmuls read: "float32", "bfloat16", or the blocks' formats ("q4_1+q8_0")
+        used = [lin for layer in self.layers for lin in (layer.wqkv, layer.w13)]
+        formats = sorted({lin.fmt for lin in [*used, self.lm_head] if isinstance(lin, BlockLinear)})
+        self.weights = "+".join(formats) or self.compute_dtype
         self.cos, self.sin = (t.to(self.device) for t in rope_tables(args))
         self.scale = args.head_dim**-0.5
 
     def _fuse(self, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype) -> LayerWeights:
         p = f"model.layers.{i}."
 
-        def lin(t: torch.Tensor) -> Linear:
-            return pack(t, dtype, self.onednn)
+        def lin(*names: str) -> Linear | BlockLinear:
+            full = [p + n + ".weight" for n in names]
+            dense = torch.cat([w[n] for n in full])
+            if all(n in self.blocks for n in full):  # dense fp32: what the blocks stand for
+                blocks = quant.cat_rows([self.blocks[n] for n in full])
+                return BlockLinear(blocks, pack(dense, onednn=self.onednn))
+            return pack(dense, dtype, self.onednn)
 
         return LayerWeights(
             attn_norm=w[p + "input_layernorm.weight"],
-            wqkv=lin(torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])),
-            wo=lin(w[p + "self_attn.o_proj.weight"]),
+            wqkv=lin("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            wo=lin("self_attn.o_proj"),
             ffn_norm=w[p + "post_attention_layernorm.weight"],
-            w13=lin(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-            w2=lin(w[p + "mlp.down_proj.weight"]),
+            w13=lin("mlp.gate_proj", "mlp.up_proj"),
+            w2=lin("mlp.down_proj"),
         )
 
     @classmethod
     def load(
-        cls, engine_dir: str | Path, compute_dtype: str = "float32", device: str = "cpu"
+        cls,
+        engine_dir: str | Path,
+        compute_dtype: str = "float32",
+        device: str = "cpu",
+        weights: str = "auto",
     ) -> Llama:
+        """`weights` "auto": the checkpoint's own quantized blocks where the block kernels run
+        (a CPU with a C compiler), else dense at `compute_dtype`; "float32" or "bfloat16":
+        dense at that dtype (compute_dtype is then not used)."""
         from safetensors.torch import load_file
 
+        if weights not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+        if weights != "auto":
+            compute_dtype = weights
         args = load_model_args(engine_dir)
         path = Path(engine_dir) / WEIGHTS_FILE
         if not path.is_file():
             raise ConfigError(f"{path} not found: rebuild the engine")
         # refuse an unusable device or dtype before reading the weights
-        matmul_dtype(compute_dtype, resolve_device(device))
-        weights = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
-        return cls(args, weights, compute_dtype, device)
+        dev = resolve_device(device)
+        matmul_dtype(compute_dtype, dev)
+        blocks = quant.load_blocks(engine_dir) if weights == "auto" and dev.type == "cpu" else None
+        dense = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
+        return cls(args, dense, compute_dtype, device, blocks=blocks)
 
     # ------------------------------------------------------------ shared pieces
 

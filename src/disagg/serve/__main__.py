@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 from types import FrameType
 
 from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV
+from disagg.engine.config import QUANT_WEIGHTS_FILE
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
 from disagg.serve.gateway_process import GatewayProcess
@@ -125,12 +128,32 @@ def _dtype(settings: ServeSettings) -> str:
     return "auto: bfloat16" if native else "auto: float32"
 
 
+def _weights(settings: ServeSettings) -> str:
+    """What the pools' matmuls will read, told without loading torch: the engine's quantized
+    blocks (their formats, from the safetensors header) or dense weights at a dtype."""
+    dense = f"dense, compute dtype {_dtype(settings)}"
+    if settings.weights != "auto":
+        return f"{settings.weights} (dense)"
+    if settings.engine_backend != "pytorch" or settings.device != "cpu":
+        return dense
+    path = settings.path("engine_dir") / QUANT_WEIGHTS_FILE
+    try:
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        formats = sorted(set(json.loads(header["__metadata__"]["formats"]).values()))
+    except (OSError, ValueError, KeyError):
+        return f"auto: {dense} (the engine has no quantized blocks)"
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        return f"auto: {dense} (no C compiler for the block kernels)"
+    return f"auto: the checkpoint's own {'+'.join(formats)} blocks (DISAGG_WEIGHTS=float32: dense)"
+
+
 def print_banner(settings: ServeSettings, gateway: GatewayProcess, e: Endpoints) -> None:
     mode, why = settings.resolved_mode()
     why = "" if why == "set" else f" ({why}; DISAGG_MODE= sets another)"
     print(f"""
 disagg is serving {settings.engine_dir} ({settings.prefill_instances} prefill,
-{settings.decode_instances} decode instance(s); compute dtype {_dtype(settings)})
+{settings.decode_instances} decode instance(s); weights {_weights(settings)})
   mode     {mode}{why}
   OpenAI   {gateway.url}/v1   (chat/completions, completions, models)
   HTTP     {e.http}   (KServe v2, /v2/models/ensemble/generate, generate_stream)

@@ -22,7 +22,7 @@ from disagg.codec import tensors as codec
 from disagg.codec.generate import OrchestratorReply, RouterReply
 from disagg.contracts import Reply, RoutedReply
 from disagg.errors import PoolError, RequestError
-from disagg.settings import ModelParams
+from disagg.model_params import ModelParams
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _log = logging.getLogger("disagg.triton")

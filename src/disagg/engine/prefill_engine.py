@@ -1,0 +1,75 @@
+"""The prefill half of a request: `PrefillEngine.prefill` -> `PrefillResult` (the first token
+and a portable KV payload), runnable in a process of its own (engine/llm_engine.py)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+from disagg.engine.config import EngineConfig
+from disagg.engine.kv_payload import KVPayload, check_start
+from disagg.engine.kv_reuse import kv_reuse_for
+from disagg.engine.model import KVCacheSlots, Llama, zeros_kv
+from disagg.engine.sampling import sample_one
+from disagg.engine.sequence import SamplingParams, validate_request
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What prefill hands to decode (the orchestrator streams `first_token` at once)."""
+
+    request_id: str
+    first_token: int  # output token 0, sampled with (seed, 0)
+    kv: KVPayload  # the prompt's K/V from position kv.start (0, unless decode holds those)
+    seed: int  # effective seed, so decode continues the same random stream
+    prefill_time_s: float
+    num_reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+
+
+def resolve_seed(params: SamplingParams) -> int:
+    return params.seed if params.seed is not None else secrets.randbits(63)
+
+
+class PrefillEngine:
+    def __init__(self, model: Llama, config: EngineConfig, reuse_kv_buffers: bool = False) -> None:
+        """With `reuse_kv_buffers`, every result's K/V are views of one pair of buffers,
+        valid until the next prefill: for a server that packs each result at once."""
+        self.model = model
+        self.config = config
+        self.kv_reuse = kv_reuse_for(model, config)
+        # a cached prefix is copied here and the rest of the prompt prefilled after it
+        self._scratch = KVCacheSlots(model.args, 1, config.max_model_len, device=model.device)
+        # (calloc'd: costs memory only where a prompt with a cached prefix writes it)
+        self._kv_buffers = None
+        if reuse_kv_buffers and model.device.type == "cpu":
+            a = model.args
+            shape = (a.n_layers, a.n_kv_heads, config.max_model_len, a.head_dim)
+            self._kv_buffers = zeros_kv(shape, model.device)
+
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, skip_tokens: int = 0
+    ) -> PrefillResult:
+        """The prompt's first token and its K/V from position `skip_tokens` (decode holds those
+        before it); a prefix cached here (in params.cache_salt's namespace) is copied, not
+        recomputed (params.use_cache False: neither read nor written)."""
+        validate_request(self.model.args, self.config, prompt_ids, params)
+        check_start(skip_tokens, len(prompt_ids), self.config.block_size)
+        start = time.perf_counter()
+        reuse, salt = (self.kv_reuse if params.use_cache else None), params.cache_salt
+        hit = reuse.load_prompt(prompt_ids, salt, self._scratch, 0) if reuse else None
+        if hit is not None and hit.num_cached_tokens:
+            n = hit.num_cached_tokens
+            logits = self.model.prefill_chunk(prompt_ids[n:], n, self._scratch, 0)
+            s = len(prompt_ids)
+            k, v = self._scratch.k[:, 0, :, :s], self._scratch.v[:, 0, :, :s]
+        else:
+            logits, k, v = self.model.prefill(prompt_ids, kv_out=self._kv_buffers)
+        if reuse is not None and hit is not None:  # (both or neither)
+            reuse.save(prompt_ids, salt, k, v, hashes=hit.hashes)
+        seed = resolve_seed(params)
+        first = sample_one(logits.cpu(), params, seed, [])
+        k, v = k[:, :, skip_tokens:], v[:, :, skip_tokens:]  # views: pack copies only these
+        kv = KVPayload.from_arrays(self.model.args, k.cpu().numpy(), v.cpu().numpy(), skip_tokens)
+        reused = hit.num_cached_tokens if hit else 0
+        return PrefillResult(request_id, first, kv, seed, time.perf_counter() - start, reused)

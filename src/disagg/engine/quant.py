@@ -1,0 +1,245 @@
+"""Serving a checkpoint's own block-quantized weights (GGUF Q4_0, Q4_1, Q8_0) on the CPU.
+
+A `QuantLinear` keeps the blocks as the file has them (scales widened to fp32) and multiplies
+fp32 activations with them through qmatmul.c: a decode step reads 0.75 byte a weight (Q4_1)
+instead of 4, which is what bounds it. Rows beyond `DIRECT_ROWS` (prefill, long chunks) are
+compute bound instead: there the blocks are expanded to fp32, exactly the weights the
+dequantized engine holds, and multiplied by sgemm. Decode batches always take the direct
+kernel (max_num_seqs is capped at DIRECT_ROWS), so a sequence's tokens never depend on the
+batch it is in.
+
+The C file is compiled once per machine with the system's C compiler (cc -O3
+-march=native, a second or two) into a cache directory, keyed by the source, the compiler
+and the CPU's flags; where no compiler is found, `available()` says why and the engine serves
+the dequantized fp32 weights instead (weights "auto"), or refuses (a quantized format forced).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from disagg.engine.config import QUANT_WEIGHTS_FILE
+from disagg.errors import ConfigError
+
+log = logging.getLogger("disagg.engine.quant")
+
+GROUP = 32
+DIRECT_ROWS = 64  # rows the block kernel takes; more go through fp32 sgemm
+FORMATS = ("q4_0", "q4_1", "q8_0")
+_SOURCE = Path(__file__).with_name("qmatmul.c")
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class QuantLinear:
+    """A weight [n, k] in blocks of 32: qs [n, k/32, 16] uint8 (4-bit) or [n, k/32, 32] int8,
+    d and m [n, k/32] fp32 (m zeros for the formats without a minimum)."""
+
+    fmt: str
+    n: int
+    k: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("DISAGG_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "disagg", "kernels"
+    )
+    return Path(base)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _compile(cc: str) -> Path:
+    key = hashlib.sha256(
+        _SOURCE.read_bytes() + cc.encode() + _cpu_flags().encode() + torch.__version__.encode()
+    ).hexdigest()[:16]
+    out = cache_dir() / f"qmatmul-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # -ffp-contract=off: no fma the source does not write (dequant matches gguf-py's)
+    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_out = Path(tmp) / out.name
+        run = subprocess.run(
+            [cc, *flags, str(_SOURCE), "-o", str(tmp_out)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if run.returncode != 0:
+            raise OSError(f"{cc} failed: {run.stderr.strip()[-500:]}")
+        os.replace(tmp_out, out)  # atomic: processes compiling at once agree
+    return out
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    """The loaded kernels, or why there are none."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return "no C compiler (cc/gcc) on PATH to build engine/qmatmul.c"
+    try:
+        lib = ctypes.CDLL(str(_compile(cc)))
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"could not build engine/qmatmul.c: {e}"
+    lib.disagg_q4_matmul.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int]
+    lib.disagg_q4_matmul.argtypes += [_i64, _ptr, ctypes.c_int]
+    lib.disagg_q8_0_matmul.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
+    lib.disagg_q4_dequant.argtypes = [_ptr, _ptr, _ptr, ctypes.c_int, _i64, _i64, _ptr]
+    lib.disagg_q4_dequant.argtypes += [ctypes.c_int]
+    lib.disagg_q8_0_dequant.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, ctypes.c_int]
+    for f in ("disagg_q4_matmul", "disagg_q8_0_matmul", "disagg_q4_dequant"):
+        getattr(lib, f).restype = None
+    lib.disagg_q8_0_dequant.restype = None
+    return lib
+
+
+def available() -> str | None:
+    """None where the block kernels run here, else why not."""
+    lib = _library()
+    return lib if isinstance(lib, str) else None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _library()
+    if isinstance(lib, str):
+        raise ConfigError(f"quantized weights need the block kernels: {lib}")
+    return lib
+
+
+def simd() -> bool:
+    """Whether the kernels were built with AVX2+FMA (else portable C, much slower)."""
+    return bool(_lib().disagg_qmatmul_simd())
+
+
+def from_blocks(
+    fmt: str, qs: npt.NDArray[np.uint8], d: npt.NDArray[np.float32], m: npt.NDArray[np.float32]
+) -> QuantLinear:
+    """qs [n, k/32, 16 or 32] bytes, d/m [n, k/32]: what engine/build.py stores."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"quantized format must be one of {FORMATS}, got {fmt!r}")
+    n, ng = d.shape
+    width = 32 if fmt == "q8_0" else 16
+    if qs.shape != (n, ng, width) or m.shape != (n, ng):
+        raise ConfigError(f"{fmt} blocks of shapes {qs.shape}/{d.shape}/{m.shape} do not agree")
+    q = torch.from_numpy(np.ascontiguousarray(qs))
+    if fmt == "q8_0":
+        q = q.view(torch.int8)
+    return QuantLinear(
+        fmt,
+        n,
+        ng * GROUP,
+        q,
+        torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(m, dtype=np.float32)),
+    )
+
+
+def cat_rows(parts: list[QuantLinear]) -> QuantLinear:
+    """Weights stacked along n (fused QKV, gate+up), all of one format and k."""
+    if len({(p.fmt, p.k) for p in parts}) != 1:
+        raise ConfigError("fused weights must share one quantized format and input size")
+    p0 = parts[0]
+    cat = [torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m")]
+    return QuantLinear(p0.fmt, sum(p.n for p in parts), p0.k, *cat)
+
+
+def dequantize(w: QuantLinear) -> torch.Tensor:
+    """The fp32 weight [n, k] the blocks stand for."""
+    out = torch.empty(w.n, w.k, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    if w.fmt == "q8_0":
+        _lib().disagg_q8_0_dequant(
+            w.qs.data_ptr(), w.d.data_ptr(), w.n, w.k, out.data_ptr(), threads
+        )
+    else:
+        zero = 8 if w.fmt == "q4_0" else 0
+        _lib().disagg_q4_dequant(
+            w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), zero, w.n, w.k, out.data_ptr(), threads
+        )
+    return out
+
+
+def qlinear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
+    """x [M, k] fp32 -> x @ W.T [M, n] fp32."""
+    rows = x.shape[0]
+    if rows > DIRECT_ROWS:
+        return torch.nn.functional.linear(x, dequantize(w))
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.shape[1] != w.k:
+        raise ValueError(f"qlinear: x {tuple(x.shape)} {x.dtype} against weight [{w.n}, {w.k}]")
+    y = torch.empty(rows, w.n, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    if w.fmt == "q8_0":
+        _lib().disagg_q8_0_matmul(
+            x.data_ptr(), rows, w.k, w.qs.data_ptr(), w.d.data_ptr(), w.n, y.data_ptr(), threads
+        )
+        return y
+    _lib().disagg_q4_matmul(
+        x.data_ptr(),
+        rows,
+        w.k,
+        w.qs.data_ptr(),
+        w.d.data_ptr(),
+        w.m.data_ptr(),
+        8 if w.fmt == "q4_0" else 0,
+        w.n,
+        y.data_ptr(),
+        threads,
+    )
+    return y
+
+
+def load_blocks(engine_dir: str | Path) -> dict[str, QuantLinear] | None:
+    """The engine's quantized blocks by tensor name, or None (with the reason logged) where
+    it has none or the block kernels cannot run here."""
+    from safetensors import safe_open
+
+    path = Path(engine_dir) / QUANT_WEIGHTS_FILE
+    if not path.is_file():
+        log.info("%s: no quantized blocks; serving dense weights", engine_dir)
+        return None
+    if (why := available()) is not None:
+        log.warning("serving dense fp32 weights, not the checkpoint's own blocks: %s", why)
+        return None
+    with safe_open(str(path), framework="numpy") as f:
+        formats: dict[str, str] = json.loads((f.metadata() or {}).get("formats", "{}"))
+        return {
+            name: from_blocks(
+                fmt,
+                f.get_tensor(name + ".qs"),
+                f.get_tensor(name + ".d"),
+                f.get_tensor(name + ".m"),
+            )
+            for name, fmt in formats.items()
+        }

@@ -1,0 +1,90 @@
+"""The block-quantized matmul kernels (engine/qmatmul.c through engine/quant.py) from plain
+numbers: GGML blocks made by gguf-py's own quantizer, checked against gguf-py's dequantize
+(the reference the dense engine is built with), against fp32 matmuls, and for batch
+invariance bit for bit. No weights, no model; the kernels compile once per machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from disagg.engine import quant
+from disagg.engine.checkpoint import split_blocks
+from disagg.engine.kernels import BlockLinear, linear, pack
+from disagg.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+FORMATS = {"q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+FORMATS["q8_0"] = GGMLQuantizationType.Q8_0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels_built():
+    assert quant.available() is None, quant.available()
+
+
+def blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[quant.QuantLinear, torch.Tensor]:
+    """A random [n, k] weight quantized by gguf-py, and gguf-py's dequantization of it."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = quantize(w, FORMATS[fmt])  # [n, k/32 * block bytes]
+    ref = torch.from_numpy(np.asarray(dequantize(raw, FORMATS[fmt]), dtype=np.float32))
+    return quant.from_blocks(fmt, *split_blocks(fmt, raw)), ref
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_expanded_blocks_are_exactly_gguf_dequantize(fmt):
+    w, ref = blocks(fmt, 96, 160)
+    assert torch.equal(quant.dequantize(w), ref)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64, 65, 130])
+def test_matmul_matches_fp32_on_the_dequantized_weight(fmt, rows):
+    w, ref = blocks(fmt, 75, 192, seed=rows)  # an odd n: the last column pair is half
+    x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+    got, want = quant.qlinear(x, w), x @ ref.T
+    assert got.shape == (rows, 75)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(fmt):
+    w, _ = blocks(fmt, 130, 224, seed=7)
+    x = torch.randn(quant.DIRECT_ROWS, 224, generator=torch.Generator().manual_seed(1))
+    full = quant.qlinear(x, w)
+    for b in (1, 2, 4, 5, 8, 17, quant.DIRECT_ROWS):  # both kernel paths (<= 4 rows, more)
+        assert torch.equal(quant.qlinear(x[:b], w), full[:b]), b
+    for i in (0, 9, quant.DIRECT_ROWS - 1):
+        assert torch.equal(quant.qlinear(x[i : i + 1], w)[0], full[i])
+
+
+def test_fused_rows_multiply_as_their_parts():
+    (a, _), (b, _) = blocks("q4_1", 40, 64, 1), blocks("q4_1", 24, 64, 2)
+    x = torch.randn(3, 64)
+    fused = quant.qlinear(x, quant.cat_rows([a, b]))
+    assert torch.equal(fused, torch.cat([quant.qlinear(x, a), quant.qlinear(x, b)], dim=1))
+    with pytest.raises(ConfigError, match="one quantized format"):
+        quant.cat_rows([a, blocks("q8_0", 8, 64)[0]])
+
+
+def test_block_linear_takes_the_dense_weights_beyond_direct_rows():
+    w, ref = blocks("q4_1", 48, 96, 3)
+    lin = BlockLinear(w, pack(ref))
+    x = torch.randn(quant.DIRECT_ROWS + 1, 96)
+    assert torch.equal(linear(x, lin), linear(x, pack(ref)))  # prefill: the dense GEMM
+    assert torch.equal(linear(x[:8], lin), quant.qlinear(x[:8], w))  # decode: the blocks
+
+
+def test_bad_blocks_are_refused_clearly():
+    w, _ = blocks("q4_1", 8, 64)
+    qs, d, m = w.qs.numpy(), w.d.numpy(), w.m.numpy()
+    with pytest.raises(ConfigError, match="must be one of"):
+        quant.from_blocks("q5_k", qs, d, m)
+    with pytest.raises(ConfigError, match="do not agree"):
+        quant.from_blocks("q4_1", qs[:, :1], d, m)
+    with pytest.raises(ValueError, match="against weight"):
+        quant.qlinear(torch.randn(2, 32), w)
