@@ -7,6 +7,9 @@
     disagg doctor                  check the machine and settings before filing a bug
     disagg cluster                 frontend + 2 prefill + 2 decode servers here (make cluster)
     disagg bench run|compare|report   goodput benchmarks (client/benchmark.py)
+    disagg profile                 measure this machine's serving costs into a profile file
+    disagg simulate                predict a topology's latencies and goodput from a profile
+    disagg plan                    search topologies for the best goodput per node
 
 Each subcommand's options: `disagg <command> --help`.
 """
@@ -30,6 +33,9 @@ DELEGATED = {
     "doctor": ("disagg.doctor", "check this machine and setup; what to fix for each failure"),
     "cluster": ("disagg.serve.cluster", "a frontend, prefill and decode servers on this machine"),
     "bench": ("disagg.bench.cli", "goodput benchmarks: run, compare, report"),
+    "profile": ("disagg.planner.profile_cli", "measure serving costs here into a profile file"),
+    "simulate": ("disagg.planner.simulate_cli", "predict topologies' latency and goodput"),
+    "plan": ("disagg.planner.plan", "search topologies for the best goodput per node"),
 }
 
 
