@@ -52,6 +52,13 @@ RETURN_NUM_OUTPUT_TOKENS = "return_num_output_tokens"
 IGNORE_EOS = "ignore_eos"  # BOOL: generate max_tokens tokens (vLLM's name; benchmarks use it)
 CACHE_SALT = "cache_salt"  # BYTES: the prefix cache's namespace for this request (vLLM's name)
 USE_PREFIX_CACHE = "use_prefix_cache"  # BOOL, default true: false neither reads nor writes it
+# sampling controls, TensorRT-LLM's names (its ensemble's inputs) where it has them
+PRESENCE_PENALTY = "presence_penalty"  # FP32
+FREQUENCY_PENALTY = "frequency_penalty"  # FP32
+REPETITION_PENALTY = "repetition_penalty"  # FP32
+MIN_LENGTH = "min_length"  # INT32: min_tokens (the LLM API's and vLLM's name)
+STOP_TOKEN_IDS = "stop_token_ids"  # INT32 [-1]: besides end_id (the LLM API's and vLLM's)
+LOGIT_BIAS = "logit_bias"  # BYTES: JSON {"token id": bias}, as OpenAI's (TensorRT-LLM: none)
 
 # router-only inputs: routing hints (all optional)
 MODEL = "model"  # public model name (the OpenAI `model`); routing rules may match on it
@@ -191,6 +198,7 @@ def sampling_from_json(text: str) -> SamplingParams:
         data["stop_token_ids"] = tuple(data.get("stop_token_ids", ()))
         data["stop"] = tuple(data.get("stop", ()))
         data["bad_words_ids"] = tuple(tuple(w) for w in data.get("bad_words_ids", ()))
+        data["logit_bias"] = tuple((t, b) for t, b in data.get("logit_bias", ()))
         return SamplingParams(**data)
     except (ValueError, TypeError) as e:
         raise RequestError(f"malformed sampling parameters: {e}") from e

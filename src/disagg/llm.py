@@ -59,8 +59,8 @@ class LLM:
         self.model = Llama.load(engine_dir, compute_dtype, device, weights)
         self.tokenizer = Tokenizer(engine_dir)
         self.config = config or EngineConfig(max_model_len=self.model.args.max_context)
-        self.prefill_engine = PrefillEngine(self.model, self.config)
         eos = {t for t in (self.tokenizer.eos_token_id,) if t is not None}
+        self.prefill_engine = PrefillEngine(self.model, self.config, eos_token_ids=eos)
         self.decode_engine = DecodeEngine(self.model, self.config, eos)
         self.service = DecodeService(self.decode_engine, on_stuck=_stuck).start()
         self.disaggregated = disaggregated

@@ -138,6 +138,33 @@ def test_prefill_call_and_response():
         PrefillResponse.decode({k: v for k, v in answer.items() if k != C.KV_PAYLOAD})
 
 
+def test_sampling_controls_travel_from_the_client_to_the_pools():
+    """Client tensors (TensorRT-LLM's names) -> SamplingParams -> the pools' JSON and back."""
+    from disagg.pipeline.request import build_request
+
+    sent = {
+        C.INPUT_IDS: [1, 2],
+        C.PRESENCE_PENALTY: 0.5,
+        C.FREQUENCY_PENALTY: 1.0,
+        C.REPETITION_PENALTY: 1.3,
+        C.MIN_LENGTH: 4,
+        C.STOP_TOKEN_IDS: [7, 8],
+        C.LOGIT_BIAS: '{"9": -100, "3": 1.5}',
+        C.END_ID: 6,
+    }
+    arrays = OrchestratorRequest.encode(sent)
+    _check_declared(arrays, OrchestratorRequest.TENSORS, batched=True)
+    req = build_request(OrchestratorRequest.decode(arrays), tokenizer=None, max_tokens_default=8)
+    p = req.params
+    assert (p.presence_penalty, p.frequency_penalty, p.min_tokens) == (0.5, 1.0, 4)
+    assert p.repetition_penalty == pytest.approx(1.3)  # (FP32 on the way)
+    assert p.stop_token_ids == (6, 7, 8) and p.logit_bias == ((9, -100.0), (3, 1.5))
+    assert PrefillCall.decode(PrefillCall.encode([1, 2], p)).params == p
+    for bad in ('["9"]', '{"nine": 1}', "{"):
+        with pytest.raises(RequestError, match="logit_bias must be a JSON object"):
+            GenerationFields.parse({C.LOGIT_BIAS: bad})
+
+
 def test_a_prefill_call_carries_its_skip_and_the_response_where_its_payload_starts():
     params = SamplingParams(max_tokens=4)
     call = PrefillCall.encode(list(range(40)), params, skip_tokens=32)

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from disagg.codec.generate import GenerationFields
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KeyStore, RateLimiter, key_hash, new_key, write_keys_file
 from disagg.gateway.errors import APIError
@@ -53,9 +54,18 @@ def test_chat_request_maps_to_router_inputs():
         ({"n": 3}, "n"),
         ({"logprobs": True}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
         ({"tools": [{}]}, "tools"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": "a lot"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
+        ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "ten"}, "max_tokens"),
@@ -74,6 +84,30 @@ def test_unsupported_or_invalid_fields_are_refused_by_name(body, param):
     with pytest.raises(APIError) as e:
         parse_request({"model": "m", "messages": MSG, **body}, "chat")
     assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_sampling_controls_map_to_router_inputs(kind):
+    prompt = {"messages": MSG} if kind == "chat" else {"prompt": "p"}
+    body = {
+        "model": "m",
+        **prompt,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -1,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"42": -100, "7": 2.5},
+        "min_tokens": 3,
+        "stop_token_ids": [5, 6],
+        "max_tokens": 9,
+        "max_completion_tokens": 9,  # both: they agree
+    }
+    inputs = parse_request(body, kind).inputs
+    assert (inputs["presence_penalty"], inputs["frequency_penalty"]) == (0.5, -1.0)
+    assert inputs["repetition_penalty"] == 1.2 and inputs["min_length"] == 3
+    assert json.loads(inputs["logit_bias"]) == {"42": -100.0, "7": 2.5}
+    assert inputs["stop_token_ids"] == [5, 6] and inputs["max_tokens"] == 9
+    fields = GenerationFields.parse(inputs)  # as the orchestrator reads the tensors
+    assert fields.logit_bias == ((42, -100.0), (7, 2.5)) and fields.min_length == 3
 
 
 def test_completion_specific_refusals():

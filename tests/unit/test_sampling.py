@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from disagg.engine.sampling import sample_batch, sample_one
+from disagg.engine.sampling import adjust_logits, sample_batch, sample_one
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import RequestError
 
@@ -88,4 +88,104 @@ def test_bad_words_are_never_completed():
 )
 def test_invalid_sampling_values_are_named(kw, field):
     with pytest.raises(RequestError, match=field):
+        SamplingParams(**kw).validate(vocab_size=100, max_tokens_limit=2048)
+
+
+# ------------------------------------------------------------------ penalties and friends
+
+
+def test_presence_and_frequency_penalties_count_the_output_only():
+    lg = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    p = SamplingParams(presence_penalty=0.25, frequency_penalty=0.5)
+    out = adjust_logits(lg, p, history=[3, 3, 2], prompt=[0, 1, 1])
+    # 3: twice (-2 * 0.5 - 0.25), 2: once (-0.5 - 0.25); prompt tokens 0 and 1 untouched
+    assert out.tolist() == [0.0, 1.0, 1.25, 1.75]
+    assert lg.tolist() == [0.0, 1.0, 2.0, 3.0]  # the caller's logits are left alone
+    negative = SamplingParams(presence_penalty=-1.0)  # < 0 encourages repetition
+    assert adjust_logits(lg, negative, [0, 0]).tolist() == [1.0, 1.0, 2.0, 3.0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_once():
+    lg = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    p = SamplingParams(repetition_penalty=2.0)
+    # prompt and output both count; a token seen three times is penalised once
+    out = adjust_logits(lg, p, history=[1, 1], prompt=[0, 1])
+    assert out.tolist() == [1.0, -4.0, 1.0, 0.5]
+    assert adjust_logits(lg, SamplingParams(repetition_penalty=0.5), [], [3])[3] == 1.0
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    lg = torch.tensor([0.0, 5.0, 4.0, 1.0])
+    assert sample_one(lg, SamplingParams(logit_bias=((1, -100.0),)), 0, []) == 2
+    assert sample_one(lg, SamplingParams(logit_bias=((3, 100.0),)), 0, []) == 3
+    sampled = SamplingParams(temperature=1.0, logit_bias=((1, -100.0), (2, -100.0)))
+    assert 1 not in {sample_one(lg, sampled, s, []) for s in range(50)}
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    lg = torch.tensor([0.0, 1.0, 9.0, 8.0, 7.0])  # EOS (2) then the stop token 3 lead
+    p = SamplingParams(min_tokens=2, stop_token_ids=(3,))
+    eos = frozenset({2})
+    assert sample_one(lg, p, 0, [], [5], eos) == 4
+    assert sample_one(lg, p, 0, [4], [5], eos) == 4
+    assert sample_one(lg, p, 0, [4, 4], [5], eos) == 2  # two tokens out: EOS may come
+    ignoring = SamplingParams(min_tokens=2, ignore_eos=True)  # EOS does not end it anyway
+    assert sample_one(lg, ignoring, 0, [], [], eos) == 2
+
+
+def test_a_penalised_neighbour_never_changes_a_greedy_row():
+    """Batch invariance: each row's adjustments touch a copy of that row alone."""
+    lg = torch.stack([logits(6), logits(6), logits(6)])
+    before = lg.clone()
+    top = int(lg[0].argmax())
+    history = [top] * 4
+    neighbours = [
+        SamplingParams(frequency_penalty=2.0),
+        SamplingParams(repetition_penalty=5.0, logit_bias=((top, -100.0),), min_tokens=5),
+        SamplingParams(temperature=1.0, presence_penalty=2.0),
+    ]
+    for n in neighbours:
+        rows = sample_batch(
+            lg,
+            [SamplingParams(), n, SamplingParams()],
+            [1, 1, 1],
+            [history, history, history],
+            [[top], [top], [top]],
+            {top},
+        )
+        assert rows[0] == rows[2] == top  # the greedy rows: plain argmax, as alone
+        assert rows[1] != top  # the neighbour moved off the repeated token
+        assert torch.equal(lg, before)
+    # the penalised row is what it would be alone
+    alone = sample_one(lg[1], neighbours[0], 1, history, [top], {top})
+    assert (
+        sample_batch(
+            lg[:2],
+            [SamplingParams(), neighbours[0]],
+            [1, 1],
+            [history, history],
+            [[top], [top]],
+            {top},
+        )[1]
+        == alone
+    )
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty must be a number in \\[-2, 2\\]"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"frequency_penalty": True}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be a number in \\(0, 100\\]"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"logit_bias": ((100, 1.0),)}, "logit_bias must map .* token ids in \\[0, 100\\)"),
+        ({"logit_bias": ((1, 101.0),)}, "logit_bias"),
+        ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "at most 300"),
+        ({"min_tokens": -1}, "min_tokens must be an integer in \\[0, max_tokens=64\\]"),
+        ({"min_tokens": 65}, "min_tokens"),
+    ],
+)
+def test_bad_penalty_values_are_refused_clearly(kw, message):
+    with pytest.raises(RequestError, match=message):
         SamplingParams(**kw).validate(vocab_size=100, max_tokens_limit=2048)

@@ -111,6 +111,13 @@ def test_stop_reasons():
     assert s.append_token(q, 7) is FinishReason.LENGTH
 
 
+def test_eos_and_stop_tokens_do_not_end_a_sequence_before_min_tokens():
+    s = sched()
+    q = seq("a", max_tokens=6, min_tokens=3, stop_token_ids=(9,))  # output: [100]
+    assert s.append_token(q, EOS) is None and s.append_token(q, 9) is None  # tokens 1, 2
+    assert s.append_token(q, EOS) is FinishReason.STOP  # token 3: three came before it
+
+
 def test_postprocess_appends_every_token_before_anyone_leaves():
     s = sched()
     a, b = seq("a", max_tokens=2), seq("b", max_tokens=6)

@@ -196,6 +196,24 @@ def test_bad_words_go_down_as_single_tokens_or_are_refused(trt):
         prefill.prefill("r", [1, 2], SamplingParams(bad_words_ids=((5, 6),)))
 
 
+def test_penalties_and_min_tokens_go_down_by_their_names(trt):
+    from disagg.trtllm.engines import trt_sampling
+
+    api = TrtllmApi.load()
+    params = SamplingParams(
+        max_tokens=8, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+        min_tokens=5,
+    )  # fmt: skip
+    sp = trt_sampling(api, params, seed=1)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert sp.min_tokens == 5
+    assert trt_sampling(api, params, seed=1, max_tokens=1).min_tokens == 1  # prefill's call
+    plain = trt_sampling(api, SamplingParams(), seed=1)
+    assert plain.presence_penalty is plain.repetition_penalty is plain.min_tokens is None
+    with pytest.raises(RequestError, match="logit_bias is not supported with TensorRT-LLM"):
+        trt_sampling(api, SamplingParams(logit_bias=((3, -100.0),)), seed=1)
+
+
 def test_prefill_draws_no_progress_bar(trt):
     prefill, _, prefill_llm, _ = engines(trt)
     prefill.prefill("r1", [1, 2, 3], SamplingParams(max_tokens=3))

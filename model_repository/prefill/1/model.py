@@ -12,6 +12,7 @@ import numpy as np
 from disagg.engine.llm_engine import PrefillEngine
 from disagg.engine.model import Llama
 from disagg.engine.sequence import SamplingParams
+from disagg.engine.tokenizer import Tokenizer
 from disagg.model_params import PrefillParams
 from disagg.triton import bls, pb, pb_metrics, prefill_side
 
@@ -32,6 +33,7 @@ class TritonPythonModel:
             Llama.load(p.engine_dir, p.compute_dtype, p.device, p.weights),
             p.engine_config(),
             reuse_kv_buffers=True,
+            eos_token_ids={Tokenizer(p.engine_dir).eos_token_id} - {None},  # for min_tokens
         )
         # Payload buffers, one per request of an execute() call, reused across calls: their
         # pages are faulted in once instead of once per long prompt.

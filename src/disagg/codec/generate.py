@@ -11,6 +11,7 @@ unchanged. `GenerationFields` is how both the router and the orchestrator read t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from disagg.codec.tensors import (
     scalar,
 )
 from disagg.contracts import Reply, RoutedReply
+from disagg.errors import RequestError
 
 
 def _optional(name: str, dtype: type, dims: tuple[int, ...] = (1,)) -> TensorSpec:
@@ -56,6 +58,12 @@ GENERATION = Tensors(
         _optional(C.USE_PREFIX_CACHE, np.bool_),
         _optional(C.RETURN_NUM_INPUT_TOKENS, np.bool_),
         _optional(C.RETURN_NUM_OUTPUT_TOKENS, np.bool_),
+        _optional(C.PRESENCE_PENALTY, np.float32),
+        _optional(C.FREQUENCY_PENALTY, np.float32),
+        _optional(C.REPETITION_PENALTY, np.float32),
+        _optional(C.MIN_LENGTH, np.int32),
+        _optional(C.STOP_TOKEN_IDS, np.int32, (-1,)),
+        _optional(C.LOGIT_BIAS, np.object_),
     )
 )
 # the prompt as chat messages, or text to wrap as a user turn (the router or the tokenizer
@@ -109,6 +117,12 @@ class GenerationFields:
     ignore_eos: bool = False
     cache_salt: str = ""
     use_prefix_cache: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_length: int = 0  # min_tokens
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), from LOGIT_BIAS's JSON
 
     @classmethod
     def parse(cls, fields: Mapping[str, Any]) -> GenerationFields:
@@ -135,7 +149,29 @@ class GenerationFields:
             ignore_eos=bool(fields.get(C.IGNORE_EOS, False)),
             cache_salt=str(fields.get(C.CACHE_SALT, "")),
             use_prefix_cache=bool(fields.get(C.USE_PREFIX_CACHE, True)),
+            presence_penalty=float(fields.get(C.PRESENCE_PENALTY, 0.0)),
+            frequency_penalty=float(fields.get(C.FREQUENCY_PENALTY, 0.0)),
+            repetition_penalty=float(fields.get(C.REPETITION_PENALTY, 1.0)),
+            min_length=int(fields.get(C.MIN_LENGTH, 0)),
+            stop_token_ids=tuple(int(t) for t in fields.get(C.STOP_TOKEN_IDS, [])),
+            logit_bias=parse_logit_bias(fields.get(C.LOGIT_BIAS, "")),
         )
+
+
+def parse_logit_bias(text: str) -> tuple[tuple[int, float], ...]:
+    """LOGIT_BIAS's JSON object ({"token id": bias}, OpenAI's shape) as (id, bias) pairs;
+    the ranges are SamplingParams.validate's to check."""
+    if not text:
+        return ()
+    try:
+        body = json.loads(text)
+        if not isinstance(body, dict):
+            raise ValueError("not a JSON object")
+        return tuple((int(k), float(v)) for k, v in body.items())
+    except (ValueError, TypeError) as e:
+        raise RequestError(
+            f'{C.LOGIT_BIAS} must be a JSON object of token ids to biases ({{"42": -100}}): {e}'
+        ) from e
 
 
 # ------------------------------------------------------------------ requests

@@ -121,6 +121,8 @@ class DecodeEngine:
             prompt_len, output, seed = pending.num_tokens, [prefill.first_token], prefill.seed
             if prompt_ids is not None and len(prompt_ids) != prompt_len:
                 prompt_ids = None  # not what the K/V were made from: not cached
+            if prompt_ids is None and params.repetition_penalty != 1.0:
+                raise RequestError("repetition_penalty needs the prompt ids with a KV hand-off")
         else:  # validate_request checks the sampling parameters too
             assert prompt_ids is not None  # (one of the two, checked above)
             validate_request(self.model.args, self.config, prompt_ids, params)
@@ -201,6 +203,8 @@ class DecodeEngine:
             [s.params for s in ready],
             [s.seed for s in ready],
             [s.output_ids for s in ready],
+            [s.prompt_ids for s in ready],
+            self.eos_token_ids,
         )
         self.num_steps += 1
         with self._lock:
@@ -271,7 +275,9 @@ class DecodeEngine:
         if seq.use_cache:
             assert self.kv_reuse is not None
             self.kv_reuse.keep(seq, self.cache)
-        first = sample_one(logits.cpu(), seq.params, seq.seed, [])
+        first = sample_one(
+            logits.cpu(), seq.params, seq.seed, [], seq.prompt_ids, self.eos_token_ids
+        )
         seq.output_ids.append(first)
         reason = self.scheduler.stop_reason(seq)
         outputs.append(TokenOutput(seq.request_id, first, 0, reason, seq.num_reused_tokens))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from disagg.engine.config import EngineConfig
@@ -32,11 +33,20 @@ def resolve_seed(params: SamplingParams) -> int:
 
 
 class PrefillEngine:
-    def __init__(self, model: Llama, config: EngineConfig, reuse_kv_buffers: bool = False) -> None:
+    def __init__(
+        self,
+        model: Llama,
+        config: EngineConfig,
+        reuse_kv_buffers: bool = False,
+        eos_token_ids: Collection[int] = (),
+    ) -> None:
         """With `reuse_kv_buffers`, every result's K/V are views of one pair of buffers,
-        valid until the next prefill: for a server that packs each result at once."""
+        valid until the next prefill: for a server that packs each result at once.
+        `eos_token_ids`: the model's, masked from the first token while min_tokens asks for
+        more (as decode masks them)."""
         self.model = model
         self.config = config
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.kv_reuse = kv_reuse_for(model, config)
         # a cached prefix is copied here and the rest of the prompt prefilled after it
         self._scratch = KVCacheSlots(model.args, 1, config.max_model_len, device=model.device)
@@ -68,7 +78,7 @@ class PrefillEngine:
         if reuse is not None and hit is not None:  # (both or neither)
             reuse.save(prompt_ids, salt, k, v, hashes=hit.hashes)
         seed = resolve_seed(params)
-        first = sample_one(logits.cpu(), params, seed, [])
+        first = sample_one(logits.cpu(), params, seed, [], prompt_ids, self.eos_token_ids)
         k, v = k[:, :, skip_tokens:], v[:, :, skip_tokens:]  # views: pack copies only these
         kv = KVPayload.from_arrays(self.model.args, k.cpu().numpy(), v.cpu().numpy(), skip_tokens)
         reused = hit.num_cached_tokens if hit else 0

@@ -1,12 +1,17 @@
-"""Token sampling: greedy, temperature, top-k, top-p, reproducible by seed.
+"""Token sampling: greedy, temperature, top-k, top-p, reproducible by seed; before that,
+the request's own logit adjustments (bad words, min_tokens, logit_bias, penalties).
 
 Randomness is stateless: the draw for a sequence's i-th output token comes from a generator
 seeded with (seed, i). So a seeded request gives the same tokens whether its first token was
 sampled by a prefill process and the rest by a decode process, and whatever else shares
-its batch.
+its batch. Adjustments are as stateless: they read only the row's logits, its prompt and
+its output so far, so prefill's first token (output: none yet) and decode's later ones see
+what a co-located engine would, and no row's adjustments reach another row.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -29,12 +34,58 @@ def banned_tokens(params: SamplingParams, history: list[int]) -> list[int]:
     return banned
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, seed: int, history: list[int]) -> int:
-    """logits: [V] float32 -> one token id. `history`: the output so far (its length is the
-    index of the token drawn now)."""
-    index = len(history)
-    if params.bad_words_ids and (banned := banned_tokens(params, history)):
+def min_tokens_masked(params: SamplingParams, eos_token_ids: Collection[int]) -> list[int]:
+    """The tokens that would end the sequence (EOS unless ignored, stop_token_ids): masked
+    while the output is shorter than min_tokens."""
+    eos = () if params.ignore_eos else eos_token_ids
+    return sorted({*eos, *params.stop_token_ids})
+
+
+def adjust_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: Sequence[int],
+    prompt: Sequence[int] = (),
+    eos_token_ids: Collection[int] = (),
+) -> torch.Tensor:
+    """logits: [V] -> a new [V] tensor (the input is left alone), in vLLM's order: bad words
+    and min_tokens masked, logit_bias added, then the penalties (sequence.py defines them).
+    Which tokens count: presence and frequency penalties the output only (`history`);
+    repetition_penalty every distinct token of prompt and output, once."""
+    if params.bad_words_ids and (banned := banned_tokens(params, list(history))):
         logits = logits.index_fill(0, torch.tensor(banned), float("-inf"))
+    if len(history) < params.min_tokens and (masked := min_tokens_masked(params, eos_token_ids)):
+        logits = logits.index_fill(0, torch.tensor(masked), float("-inf"))
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias])
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype)
+        logits = logits.index_add(0, ids, bias)
+    if params.repetition_penalty != 1.0 and (prompt or history):
+        seen = torch.unique(torch.tensor([*prompt, *history]))
+        values = logits[seen]
+        r = params.repetition_penalty
+        logits = logits.index_copy(0, seen, torch.where(values > 0, values / r, values * r))
+    if (params.presence_penalty or params.frequency_penalty) and history:
+        ids, counts = torch.unique(torch.tensor(list(history)), return_counts=True)
+        penalty = params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+        logits = logits.index_add(0, ids, -penalty)
+    return logits
+
+
+def sample_one(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seed: int,
+    history: Sequence[int],
+    prompt: Sequence[int] = (),
+    eos_token_ids: Collection[int] = (),
+) -> int:
+    """logits: [V] float32 -> one token id. `history`: the output so far (its length is the
+    index of the token drawn now); `prompt` and `eos_token_ids`: what penalties and
+    min_tokens read (adjust_logits)."""
+    index = len(history)
+    if params.adjusts_logits:
+        logits = adjust_logits(logits, params, history, prompt, eos_token_ids)
     if params.is_greedy:
         return int(logits.argmax())
     scaled = logits / params.temperature
@@ -56,12 +107,16 @@ def sample_batch(
     params: list[SamplingParams],
     seeds: list[int],
     histories: list[list[int]],
+    prompts: list[list[int]] | None = None,
+    eos_token_ids: Collection[int] = (),
 ) -> list[int]:
-    """logits: [B, V]. Plain greedy rows share one argmax; the others draw one by one."""
+    """logits: [B, V]. Plain greedy rows share one argmax; the others draw one by one, each
+    adjusting a copy of its own row only (a neighbour's penalties never move a greedy row)."""
     greedy = logits.argmax(-1).tolist()
+    prompts = prompts if prompts is not None else [[] for _ in params]
     return [
         greedy[b]
-        if p.is_greedy and not p.bad_words_ids
-        else sample_one(logits[b], p, seeds[b], histories[b])
+        if p.is_greedy and not p.adjusts_logits
+        else sample_one(logits[b], p, seeds[b], histories[b], prompts[b], eos_token_ids)
         for b, p in enumerate(params)
     ]

@@ -101,9 +101,13 @@ class Scheduler:
         return self.stop_reason(seq)
 
     def stop_reason(self, seq: Sequence) -> FinishReason | None:
+        """EOS and stop tokens end a sequence only after min_tokens others (sampling masks
+        them before, so one here came from elsewhere: a hand-off, a scripted test)."""
         token = seq.last_token
-        if (not seq.params.ignore_eos and token in seq.eos_token_ids) or (
-            token in seq.params.stop_token_ids
+        may_stop = len(seq.output_ids) > seq.params.min_tokens  # (the token's index >= it)
+        if may_stop and (
+            (not seq.params.ignore_eos and token in seq.eos_token_ids)
+            or token in seq.params.stop_token_ids
         ):
             return FinishReason.STOP
         if len(seq.output_ids) >= seq.params.max_tokens:

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
 MAX_CACHE_SALT = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_REPETITION_PENALTY = 100.0
 
 
 class FinishReason(enum.StrEnum):
@@ -36,6 +38,15 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # finish when the text contains one; it is not returned
     ignore_eos: bool = False
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
+    # Penalties (sampling.adjust_logits applies them, in vLLM's order). presence/frequency are
+    # OpenAI's and count the output only: a token's logit loses presence_penalty once it
+    # has been produced and frequency_penalty per time. repetition_penalty is vLLM's / HF's
+    # and counts prompt and output: a positive logit is divided by it, a negative multiplied.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     # Not sampling, but carried with it to every pool: the prefix cache's namespace (the
     # gateway gives each API key its own, so no key sees another's prompts by timing) and
     # whether this request may use the cache at all
@@ -45,6 +56,19 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether sampling changes this request's logits before choosing (a plain greedy
+        row is one argmax over the batch)."""
+        return bool(
+            self.bad_words_ids
+            or self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+        )
 
     def validate(self, vocab_size: int, max_tokens_limit: int) -> None:
         """Raise RequestError naming the first bad field."""
@@ -78,6 +102,7 @@ class SamplingParams:
             )
         if not isinstance(self.use_cache, bool):
             raise RequestError(f"use_cache must be a boolean, got {self.use_cache!r}")
+        self._validate_penalties(vocab_size)
         if len(self.bad_words_ids) > MAX_STOP_STRINGS or any(
             not w or any(not isinstance(t, int) or not 0 <= t < vocab_size for t in w)
             for w in self.bad_words_ids
@@ -85,6 +110,39 @@ class SamplingParams:
             raise RequestError(
                 f"bad_words must be at most {MAX_STOP_STRINGS} non-empty token sequences"
             )
+
+    def _validate_penalties(self, vocab_size: int) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(value := getattr(self, name), -2.0, 2.0):
+                raise RequestError(f"{name} must be a number in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if not _is_number(r, 0.0, MAX_REPETITION_PENALTY) or r == 0:
+            raise RequestError(
+                f"repetition_penalty must be a number in (0, {MAX_REPETITION_PENALTY:g}] "
+                f"(1: off), got {r!r}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or any(
+            not isinstance(t, int) or not 0 <= t < vocab_size or not _is_number(b, -100, 100)
+            for t, b in self.logit_bias
+        ):
+            raise RequestError(
+                f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids in [0, {vocab_size}) "
+                "to numbers in [-100, 100]"
+            )
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+
+
+def _is_number(value: object, lo: float, hi: float) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and lo <= value <= hi
+    )
 
 
 class SequenceStatus(enum.Enum):

@@ -1,9 +1,9 @@
 """OpenAI request bodies -> the router's inputs, and the router's outputs -> OpenAI responses.
 
 Fields disagg cannot honour are refused with a 400 naming them, never silently ignored:
-`n` > 1, `logprobs`, `top_logprobs`, `logit_bias`, tools / functions, non-zero presence or
-frequency penalties, `response_format` other than text, and for completions `echo`,
-`best_of` > 1, `suffix` and several prompts.
+`n` > 1, `logprobs`, `top_logprobs`, tools / functions, `response_format` other than text,
+and for completions `echo`, `best_of` > 1, `suffix` and several prompts. Sampling controls
+beyond OpenAI's (vLLM's extensions): `repetition_penalty`, `min_tokens`, `stop_token_ids`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from disagg import contracts as C
 from disagg.engine.sequence import FinishReason
 from disagg.gateway.errors import bad_request, unsupported
+from disagg.gateway.openai_sampling import max_tokens_of, number, sampling_controls
 
 MAX_STOP = 4
 INT32_MAX = 2**31 - 1
@@ -32,19 +33,6 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
-
-
-def _number(body: JSON, name: str, lo: float, hi: float, integer: bool = False) -> float | None:
-    value: object = body.get(name)
-    if value is None:
-        return None
-    is_int = isinstance(value, int)
-    if isinstance(value, bool) or not isinstance(value, int | float) or (integer and not is_int):
-        kind = "an integer" if integer else "a number"
-        raise bad_request(f"'{name}' must be {kind}, got {value!r}", name)
-    if not lo <= value <= hi:
-        raise bad_request(f"'{name}' must be between {lo:g} and {hi:g}, got {value}", name)
-    return value
 
 
 MAX_CACHE_SALT = 128  # the gateway prefixes the API key's id (SamplingParams allows 256)
@@ -78,10 +66,10 @@ def key_salt(key_id: str, inputs: dict[str, object]) -> None:
 def _hints(body: JSON, inputs: dict[str, object]) -> None:
     """disagg's routing hints (extensions to OpenAI's body), checked as strictly as the rest:
     the router's tensors are FP32 / INT32 / one string."""
-    sla = _number(body, "latency_sla_ms", 0, 1e9)
+    sla = number(body, "latency_sla_ms", 0, 1e9)
     if sla is not None:
         inputs[C.LATENCY_SLA_MS] = float(sla)
-    priority = _number(body, "priority", -INT32_MAX, INT32_MAX, integer=True)
+    priority = number(body, "priority", -INT32_MAX, INT32_MAX, integer=True)
     if priority is not None:
         inputs[C.PRIORITY] = priority
     task_type = body.get("task_type")
@@ -98,14 +86,9 @@ def _refuse_unsupported(body: JSON, kind: str) -> None:
         raise unsupported("logprobs")
     if body.get("top_logprobs"):
         raise unsupported("top_logprobs")
-    if body.get("logit_bias"):
-        raise unsupported("logit_bias")
     for name in ("tools", "tool_choice", "functions", "function_call"):
         if body.get(name) not in (None, "none", []):
             raise unsupported(name, "no tool calling")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise unsupported(name)
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise unsupported("response_format", "text only")
@@ -168,16 +151,14 @@ def parse_request(body: object, kind: str) -> GenRequest:
         inputs[C.MESSAGES] = json.dumps(_messages(body))
     else:
         inputs[C.TEXT_INPUT] = _prompt(body)
-    max_tokens = _number(body, "max_completion_tokens", 1, 1 << 20, integer=True)
-    if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", 1, 1 << 20, integer=True)
+    max_tokens = max_tokens_of(body)
     if max_tokens is not None:
         inputs[C.MAX_TOKENS] = max_tokens
     for name, lo, hi in ((C.TEMPERATURE, 0.0, 2.0), (C.TOP_P, 0.0, 1.0)):
-        value = _number(body, name, lo, hi)  # OpenAI's names and the tensors' agree
+        value = number(body, name, lo, hi)  # OpenAI's names and the tensors' agree
         if value is not None:
             inputs[name] = float(value)
-    seed = _number(body, "seed", 0, 2**63 - 1, integer=True)
+    seed = number(body, "seed", 0, 2**63 - 1, integer=True)
     if seed is not None:
         inputs[C.SEED] = seed
     stop = body.get("stop")
@@ -189,6 +170,7 @@ def parse_request(body: object, kind: str) -> GenRequest:
             raise bad_request(f"'stop' takes at most {MAX_STOP} sequences", "stop")
         if any(stops):
             inputs[C.STOP_WORDS] = [s for s in stops if s]
+    sampling_controls(body, inputs)
     _hints(body, inputs)
     ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: exactly max_tokens tokens
     if not isinstance(ignore_eos, bool):
@@ -202,12 +184,13 @@ def parse_request(body: object, kind: str) -> GenRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
+    if options and not stream:  # (as OpenAI answers)
+        raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
     return GenRequest(
-        kind=kind,
-        model=model,
-        inputs=inputs,
-        stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
+        kind=kind, model=model, inputs=inputs, stream=stream, include_usage=include_usage
     )
 
 
@@ -296,7 +279,10 @@ def chunk(
         obj, prefix = "text_completion", "cmpl-"
     if finish is not None:
         choice["finish_reason"] = FINISH.get(finish, finish)
-    return _envelope(req, rid, fingerprint, obj, prefix, choice)
+    out = _envelope(req, rid, fingerprint, obj, prefix, choice)
+    if req.include_usage:  # OpenAI: every chunk has "usage", null but on the last
+        out["usage"] = None
+    return out
 
 
 def usage_chunk(

@@ -203,7 +203,13 @@ class Orchestrator:
                     req,
                     request_id=C.child_request_id(req.request_id),
                     prompt_ids=req.prompt_ids + run.token_ids,
-                    params=dataclasses.replace(req.params, max_tokens=left),
+                    # (the tokens so far become prompt: presence/frequency penalties no
+                    # longer count them, repetition_penalty still does)
+                    params=dataclasses.replace(
+                        req.params,
+                        max_tokens=left,
+                        min_tokens=max(req.params.min_tokens - run.num_output_tokens, 0),
+                    ),
                 )
         raise AssertionError("unreachable")
 

@@ -45,6 +45,7 @@ def build_request(
         (C.TOP_K, g.top_k),
         (C.END_ID, g.end_id),
         (C.PAD_ID, g.pad_id),
+        (C.MIN_LENGTH, g.min_length),
     ):
         if value is not None and value < 0:
             # Triton's HTTP endpoint stores a JSON number above 2**31-1 into the INT32 tensor
@@ -59,12 +60,17 @@ def build_request(
         top_k=g.top_k,
         top_p=g.top_p,
         seed=g.seed,
-        stop_token_ids=() if g.end_id is None else (g.end_id,),
+        stop_token_ids=(() if g.end_id is None else (g.end_id,)) + g.stop_token_ids,
         stop=g.stop_words,
         bad_words_ids=tuple(tuple(tokenizer.encode(w)) for w in g.bad_words),
         ignore_eos=g.ignore_eos,
         cache_salt=g.cache_salt,
         use_cache=g.use_prefix_cache,
+        presence_penalty=g.presence_penalty,
+        frequency_penalty=g.frequency_penalty,
+        repetition_penalty=g.repetition_penalty,
+        logit_bias=g.logit_bias,
+        min_tokens=g.min_length,
     )
     return GenerateRequest(
         request_id=C.child_request_id(caller_id),

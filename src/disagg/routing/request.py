@@ -45,6 +45,17 @@ def local_only_fields(
         why.append(C.END_ID)
     if g.ignore_eos:
         why.append(C.IGNORE_EOS)
+    # token ids are this model's; the endpoint's chat request carries no penalties (yet)
+    for name, value, off in (
+        (C.STOP_TOKEN_IDS, g.stop_token_ids, ()),
+        (C.LOGIT_BIAS, g.logit_bias, ()),
+        (C.MIN_LENGTH, g.min_length, 0),
+        (C.PRESENCE_PENALTY, g.presence_penalty, 0.0),
+        (C.FREQUENCY_PENALTY, g.frequency_penalty, 0.0),
+        (C.REPETITION_PENALTY, g.repetition_penalty, 1.0),
+    ):
+        if value != off:
+            why.append(name)
     return tuple(why)
 
 

@@ -72,7 +72,10 @@ def trt_sampling(
     (SamplingParams._greedy_decoding), so temperature=0 would sample. Stop strings never go
     down: the orchestrator matches them on the text and ends the request (finish_request).
     Bad words go down as `bad_token_ids`, which bans single tokens only: a longer sequence is
-    refused rather than silently dropped."""
+    refused rather than silently dropped. Penalties and min_tokens go down under the same
+    names (SamplingParams 1.0), counted by TensorRT-LLM's own kernels; min_tokens is capped at
+    this call's max_tokens (prefill's context request asks for one token). logit_bias would
+    need `embedding_bias`, a [vocab] tensor: refused until that is wired."""
     kwargs: dict[str, Any] = dict(
         max_tokens=max_tokens or params.max_tokens, seed=seed, ignore_eos=params.ignore_eos
     )
@@ -84,6 +87,14 @@ def trt_sampling(
             kwargs["top_k"] = params.top_k
     if params.stop_token_ids:
         kwargs["stop_token_ids"] = list(params.stop_token_ids)
+    if params.min_tokens:
+        kwargs["min_tokens"] = min(params.min_tokens, kwargs["max_tokens"])
+    penalties = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
+    for name, off in penalties:
+        if getattr(params, name) != off:
+            kwargs[name] = getattr(params, name)
+    if params.logit_bias:
+        raise RequestError("logit_bias is not supported with TensorRT-LLM yet")
     if params.bad_words_ids:
         if any(len(words) != 1 for words in params.bad_words_ids):
             raise RequestError(

@@ -57,6 +57,10 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     temperature: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     ignore_eos: bool = False
     detokenize: bool = True
     return_perf_metrics: bool = False  # "keep in sync with tllme.OutputConfig" upstream

@@ -1,0 +1,86 @@
+"""Sampling controls through the gateway with the official `openai` client, against a real
+tritonserver serving disaggregated (prefill samples the first token, decode the rest)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import openai
+import pytest
+from helpers.triton_server import start_server
+
+from disagg.engine.tokenizer import Tokenizer
+from disagg.serve.gateway_process import GatewayProcess
+from disagg.serve.server import free_ports
+
+pytestmark = pytest.mark.integration
+KEY = "sk-test-sampling"
+MODEL = "smollm2-135m-instruct"
+ASK = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
+
+
+@pytest.fixture(scope="module")
+def client(engine_dir, tmp_path_factory):
+    server = start_server(engine_dir, tmp_path_factory.mktemp("sampling"))
+    (port,) = free_ports(1)
+    gateway = GatewayProcess(
+        replace(server.settings, gateway_port=port), env={"DISAGG_API_KEYS": KEY}
+    ).start()
+    try:
+        gateway.wait_ready()
+        yield openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
+    finally:
+        gateway.stop()
+        server.stop()
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=ASK, **{"max_tokens": 16, **kw})
+
+
+def test_penalties_logit_bias_and_min_tokens_through_the_gateway(client, engine_dir):
+    plain = chat(client)
+    assert "Paris" in plain.choices[0].message.content
+    penalised = chat(client, presence_penalty=1.0, frequency_penalty=1.5)
+    assert penalised.choices[0].message.content  # accepted and served
+    tok = Tokenizer(engine_dir)
+    paris = {ids[0] for w in ("Paris", " Paris") if len(ids := tok.encode(w)) == 1}
+    assert paris  # SmolLM2 has Paris as one token
+    banned = chat(client, logit_bias={str(t): -100 for t in paris})
+    text = banned.choices[0].message.content
+    assert not paris & set(tok.encode(text)) and text != plain.choices[0].message.content
+    n = plain.usage.completion_tokens
+    longer = chat(client, max_tokens=n + 12, extra_body={"min_tokens": n + 6})
+    assert longer.usage.completion_tokens >= n + 6
+    completion = client.completions.create(
+        model=MODEL, prompt="One, two, three,", max_tokens=8, extra_body={"repetition_penalty": 1.3}
+    )
+    assert completion.choices[0].text
+
+
+def test_bad_sampling_values_get_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, presence_penalty=3)
+    assert e.value.body["param"] == "presence_penalty"
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):  # refused downstream
+        chat(client, logit_bias={"1000000": 5})
+    with pytest.raises(openai.BadRequestError, match="disagree"):
+        chat(client, max_completion_tokens=5)  # max_tokens=16 too
+
+
+def test_a_seeded_sampled_reply_is_reproducible_and_every_stream_counts_usage(client):
+    sampled = {"temperature": 1.0, "seed": 1234, "max_tokens": 24}
+    first = client.chat.completions.create(model=MODEL, messages=ASK, **sampled)
+    again = client.chat.completions.create(model=MODEL, messages=ASK, **sampled)
+    assert first.choices[0].message.content == again.choices[0].message.content
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The sea is",
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.completion_tokens > 0 and not chunks[-1].choices
+    assert all(c.usage is None for c in chunks[:-1])
