@@ -85,25 +85,26 @@ def main(argv: list[str] | None = None) -> int:
                 cells[w].setdefault(f"decode_b{b}_ms", []).append(step_ms(m, b))
             cells[w].setdefault("prefill_512_s", []).append(prefill_s(m))
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
-    best = {w: {k: min(v) for k, v in c.items()} for w, c in cells.items()}
+    best = {w: {k: min(v) for k, v in cells[w].items()} for w in models}
     ids = tok.encode(TEXT)
     for w, m in models.items():
         best[w]["perplexity"] = perplexity(m, ids)
     replies = {w: greedy(m, [tok.encode(q) for q in PROMPTS], 24) for w, m in models.items()}
     same = sum(x == y for x, y in zip(replies["auto"], replies["float32"], strict=True))
     llama: dict[str, float] = {}
-    if a.llama_python:
+    for _ in range(a.rounds if a.llama_python else 0):  # alone, after ours; best of rounds
+        script = str(ROOT / "benchmarks/llamacpp_decode.py")
         out = subprocess.run(
-            [
-                a.llama_python,
-                str(ROOT / "benchmarks/llamacpp_decode.py"),
-                str(find_packaged_smollm2()),
-            ],
+            [str(a.llama_python), script, str(find_packaged_smollm2())],
             capture_output=True,
             text=True,
             check=True,
         )
-        llama = json.loads(out.stdout.strip().splitlines()[-1])
+        cells.setdefault("llama.cpp", {})
+        for key, value in json.loads(out.stdout.strip().splitlines()[-1]).items():
+            if isinstance(value, float):
+                cells["llama.cpp"].setdefault(key, []).append(value)
+                llama[key] = min(llama.get(key, value), value)
     report(best, names, same, llama)
     result = {
         "machine": cpu_description(),
@@ -129,7 +130,7 @@ def report(best: dict, names: dict, same: int, llama: dict[str, float]) -> None:
         print(f"| {names[w]} | " + " | ".join(f"{row[c]:.3g}" for c in cols) + " |")
     if llama:
         row = " | ".join(f"{llama.get(c, float('nan')):.3g}" for c in cols[:3])
-        print(f"| llama.cpp ({llama.get('type', '?')}) | {row} | - | - |")
+        print(f"| llama.cpp (same GGUF) | {row} | - | - |")
     q, f = best["auto"], best["float32"]
     print(
         f"\nbatch-1 decode {f['decode_b1_ms'] / q['decode_b1_ms']:.2f}x fp32, 16 sequences "

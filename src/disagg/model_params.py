@@ -112,6 +112,7 @@ class OrchestratorParams:
     orchestrator_max_concurrency: int
     migration_limit: int
     prefix_cache_tokens: int  # the pools' own budget: how much of them the locality mirrors
+    decode_instances: int  # more than one: which instance holds a prompt is not known here
 
     def engine_config(self) -> EngineConfig:
         """Limits only: the orchestrator checks requests against them, it runs no engine."""

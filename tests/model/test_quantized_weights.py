@@ -141,10 +141,44 @@ def test_handoff_equals_colocated_prefill_with_blocks(llm, blocks):
         return tokens
 
     disagg = [handed.first_token, *run(prefill=handed)]
-    assert disagg == run(prompt_ids=ids)  # co-located: prefilled in 32-token chunks
+    assert disagg == run(prompt_ids=ids)  # co-located: prefilled by decode itself
 
 
-def test_batches_beyond_the_block_kernel_are_refused(blocks, dense):
-    with pytest.raises(ConfigError, match="at most 64 with quantized"):
-        DecodeEngine(blocks, EngineConfig(max_model_len=256, max_num_seqs=65), set())
-    DecodeEngine(dense, EngineConfig(max_model_len=256, max_num_seqs=65), set())
+def test_large_batches_stay_on_the_blocks(blocks, dense):
+    """The fused step multiplies blocks at any batch size; the torch step would switch to the
+    dense kernel past 64 rows, so without the fused step a larger batch is refused."""
+    big = EngineConfig(max_model_len=256, max_num_seqs=65)
+    DecodeEngine(blocks, big, set())
+    DecodeEngine(dense, big, set())
+    blocks.fused = False
+    try:
+        with pytest.raises(ConfigError, match="at most 64 with quantized"):
+            DecodeEngine(blocks, big, set())
+    finally:
+        blocks.fused = True
+
+
+def test_fused_decode_step_matches_the_torch_step(llm, blocks):
+    """The C decode step (norms, RoPE, attention, SiLU: engine/fused_decode.py) computes what
+    the torch step does, to float rounding, and writes the same K/V."""
+    assert blocks.fused  # the default for the block-quantized CPU engine
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1000, 40000, (n,), generator=g).tolist() for n in (5, 64, 150)]
+
+    def step(fused: bool) -> tuple[torch.Tensor, KVCacheSlots]:
+        cache = KVCacheSlots(blocks.args, len(prompts), 256)
+        for slot, ids in enumerate(prompts):
+            _, k, v = blocks.prefill(ids)
+            cache.write(slot, k, v)
+        blocks.fused = fused
+        try:
+            pos = torch.tensor([len(p) for p in prompts])
+            return blocks.decode(torch.tensor([42, 7, 1234]), pos, cache), cache
+        finally:
+            blocks.fused = True
+
+    (c_logits, c_cache), (t_logits, t_cache) = step(True), step(False)
+    assert torch.allclose(c_logits, t_logits, atol=1e-3), (c_logits - t_logits).abs().max()
+    assert torch.equal(c_logits.argmax(-1), t_logits.argmax(-1))
+    assert torch.allclose(c_cache.k, t_cache.k, atol=1e-4)
+    assert torch.allclose(c_cache.v, t_cache.v, atol=1e-4)

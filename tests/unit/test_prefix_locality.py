@@ -27,3 +27,11 @@ def test_bounded_like_the_pools_least_recently_used_first():
     off = PrefixLocality(max_tokens=0)
     off.record(DECODE, list(range(64)), "")
     assert off.cached(list(range(64)), "") == {PREFILL: 0, DECODE: 0}
+
+
+def test_several_decode_instances_are_assumed_to_hold_nothing():
+    loc = PrefixLocality(max_tokens=1024, block_size=16, track_decode=False)
+    ids = list(range(100))
+    loc.record(DECODE, ids, "")
+    loc.record(PREFILL, ids, "")
+    assert loc.cached(ids, "") == {PREFILL: 96, DECODE: 0}

@@ -48,10 +48,11 @@ class TritonPythonModel:
             # a failed replica is replaced by another; a pool of this server is restarted
             migration_limit=p.migration_limit if p.decode_replicas else 0,
             # where this server's pools left each prompt's K/V (pools elsewhere choose their
-            # replicas by load: which one holds a prompt is not known here)
+            # replicas by load: which one holds a prompt is not known here; nor which of
+            # several decode instances Triton hands a request to)
             locality=None
             if p.prefill_replicas or p.decode_replicas
-            else PrefixLocality(p.prefix_cache_tokens),
+            else PrefixLocality(p.prefix_cache_tokens, track_decode=p.decode_instances == 1),
         )
         self.replica_metrics = pb_metrics.ReplicaMetrics(
             {

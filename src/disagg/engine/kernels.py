@@ -130,8 +130,10 @@ def linear(x: torch.Tensor, lin: Linear | BlockLinear) -> torch.Tensor:
     Batch invariant: a row's result does not depend on the other rows, so a sequence decodes
     to the same tokens alone or in any batch. Where oneDNN's single-row kernel sums in
     another order, one row is computed as two (the weights are still read once). Quantized
-    weights go to engine/quant.py (invariant by construction) for up to DIRECT_ROWS rows,
-    which covers every decode batch (max_num_seqs is capped there)."""
+    weights go to engine/quant.py (invariant by construction) for up to DIRECT_ROWS rows;
+    more rows (prefill) multiply the dense copy, so a row of a 64-row chunk and of a 65-row
+    one differ by rounding: decode batches never cross that line (engine/fused_decode.py
+    multiplies blocks at any size; the torch decode path caps max_num_seqs there)."""
     if isinstance(lin, BlockLinear):
         if x.shape[0] > DIRECT_ROWS and lin.dense is not None:
             return linear(x, lin.dense)

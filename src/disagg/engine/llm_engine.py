@@ -67,7 +67,9 @@ class DecodeEngine:
                 f"max_model_len {config.max_model_len} exceeds the engine's max_context "
                 f"{model.args.max_context}; rebuild the engine with a larger --max-context"
             )
-        if model.blocks and config.max_num_seqs > DIRECT_ROWS:  # (kernels.linear says why)
+        # the torch decode path would take the dense kernel past DIRECT_ROWS rows (the fused
+        # one multiplies blocks at any batch size)
+        if model.blocks and not model.fused and config.max_num_seqs > DIRECT_ROWS:
             raise ConfigError(
                 f"max_num_seqs {config.max_num_seqs}: at most {DIRECT_ROWS} with quantized "
                 "weights (larger batches would change kernels); or set weights float32"

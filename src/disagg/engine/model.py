@@ -29,7 +29,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from disagg.engine import quant
+from disagg.engine import fused_decode, quant
 from disagg.engine.config import WEIGHTS_FILE, ModelArgs, load_model_args
 from disagg.engine.kernels import (
     CPU,
@@ -167,6 +167,8 @@ class Llama:
         self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)
         self.onednn = HAS_ONEDNN and self.device.type == "cpu" if onednn is None else onednn
         self.blocks = blocks or {}
+        if self.blocks and self.device.type != "cpu":
+            raise ConfigError("quantized blocks run on the CPU only: load them with device cpu")
         w = {k: v.to(self.device) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]  # [V, dim]
         head_name = "model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight"
@@ -182,6 +184,7 @@ class Llama:
         used = [lin for layer in self.layers for lin in (layer.wqkv, layer.w13)]
         formats = sorted({lin.fmt for lin in [*used, self.lm_head] if isinstance(lin, BlockLinear)})
         self.weights = "+".join(formats) or self.compute_dtype
+        self.fused = fused_decode.supported(self)
         self.cos, self.sin = (t.to(self.device) for t in rope_tables(args))
         self.scale = args.head_dim**-0.5
 
@@ -191,8 +194,10 @@ class Llama:
         def lin(*names: str) -> Linear | BlockLinear:
             full = [p + n + ".weight" for n in names]
             dense = torch.cat([w[n] for n in full])
-            if all(n in self.blocks for n in full):  # dense fp32: what the blocks stand for
-                blocks = quant.cat_rows([self.blocks[n] for n in full])
+            parts = [self.blocks.get(n) for n in full]  # fused: one format, or dense
+            if all(parts) and len({b.fmt for b in parts if b}) == 1:
+                blocks = quant.cat_rows([b for b in parts if b])
+                # dense fp32 too: what the blocks stand for, which prefill multiplies
                 return BlockLinear(blocks, pack(dense, onednn=self.onednn))
             return pack(dense, dtype, self.onednn)
 
@@ -336,6 +341,8 @@ class Llama:
         tokens: [B] int64, the newest token of each sequence (not yet in the cache);
         positions: [B] int64, where that token goes (= tokens already cached).
         Returns logits [B, V]."""
+        if self.fused:  # the block-quantized CPU engine: the small ops in C too
+            return fused_decode.decode(self, tokens, positions, cache)
         a = self.args
         b = tokens.shape[0]
         dev = self.device

@@ -68,57 +68,81 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* acc[r] += w . x[r] over one group (four 8-lane segments), r < nr. */
-static inline void group_fma(__m256 acc[ROWS], const float *x, int64_t k, int64_t nr,
-                             __m256 w0, __m256 w1, __m256 w2, __m256 w3) {
-    for (int64_t r = 0; r < nr; r++) {
-        const float *p = x + r * k;
-        acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(p), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(p + 8), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(p + 16), acc[r]);
-        acc[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(p + 24), acc[r]);
-    }
-}
-
 static inline __m256 expand8(__m128i q8, __m256 dg, __m256 mg) {
     /* d * q + m, rounded twice like the scalar expansion */
     return _mm256_add_ps(_mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))), mg);
 }
 
-/* One Q4 column against nr <= ROWS rows, expanded in registers. */
-static void q4_column(const float *x, int64_t k, int64_t nr, const uint8_t *qs, const float *d,
-                      const float *mn, int zero, float *y, int64_t ldy) {
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
+#define INLINE static inline __attribute__((always_inline))
+
+/* One group's weights of a column, expanded: w[0..3] (8 lanes each). */
+INLINE void q4_group(const uint8_t *qs, float d, float m, int zero, __m256 w[4]) {
     const __m128i low4 = _mm_set1_epi8(0x0F), z = _mm_set1_epi8((char)zero);
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        __m128i b = _mm_loadu_si128((const __m128i *)(qs + g * 16));
-        __m128i lo = _mm_sub_epi8(_mm_and_si128(b, low4), z);
-        __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), low4), z);
-        __m256 dg = _mm256_set1_ps(d[g]), mg = _mm256_set1_ps(mn[g]);
-        group_fma(acc, x + g * GROUP, k, nr, expand8(lo, dg, mg),
-                  expand8(_mm_srli_si128(lo, 8), dg, mg), expand8(hi, dg, mg),
-                  expand8(_mm_srli_si128(hi, 8), dg, mg));
-    }
-    for (int64_t r = 0; r < nr; r++) y[r * ldy] = hsum8(acc[r]);
+    __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    __m128i lo = _mm_sub_epi8(_mm_and_si128(b, low4), z);
+    __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(b, 4), low4), z);
+    __m256 dg = _mm256_set1_ps(d), mg = _mm256_set1_ps(m);
+    w[0] = expand8(lo, dg, mg), w[1] = expand8(_mm_srli_si128(lo, 8), dg, mg);
+    w[2] = expand8(hi, dg, mg), w[3] = expand8(_mm_srli_si128(hi, 8), dg, mg);
 }
 
-static void q8_column(const float *x, int64_t k, int64_t nr, const int8_t *qs, const float *d,
-                      float *y, int64_t ldy) {
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; r++) acc[r] = _mm256_setzero_ps();
-    const __m256 zero = _mm256_setzero_ps();
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        const __m128i *q = (const __m128i *)(qs + g * GROUP);
-        __m128i a = _mm_loadu_si128(q), b = _mm_loadu_si128(q + 1);
-        __m256 dg = _mm256_set1_ps(d[g]);
-        /* d * q is exact in fp32 (11 x 8 significant bits): + 0 changes nothing */
-        group_fma(acc, x + g * GROUP, k, nr, expand8(a, dg, zero),
-                  expand8(_mm_srli_si128(a, 8), dg, zero), expand8(b, dg, zero),
-                  expand8(_mm_srli_si128(b, 8), dg, zero));
-    }
-    for (int64_t r = 0; r < nr; r++) y[r * ldy] = hsum8(acc[r]);
+INLINE void q8_group(const int8_t *qs, float d, __m256 w[4]) {
+    const __m128i *q = (const __m128i *)qs;
+    __m128i a = _mm_loadu_si128(q), b = _mm_loadu_si128(q + 1);
+    /* d * q, exact in fp32 (11 x 8 significant bits): the expansion's value */
+    __m256 dg = _mm256_set1_ps(d);
+#define Q8(v) _mm256_mul_ps(dg, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)))
+    w[0] = Q8(a), w[1] = Q8(_mm_srli_si128(a, 8)), w[2] = Q8(b), w[3] = Q8(_mm_srli_si128(b, 8));
+#undef Q8
 }
+
+/* Two columns (c1 may repeat c0: then only c0 is written) against NR <= ROWS rows, expanded
+ * in registers. Two columns give the core two independent fma chains per row; every
+ * (row, column) sums in the same order whatever NR and the neighbour column are. NR is a
+ * constant at each call (switch below), so the accumulators stay in registers. */
+INLINE void pair(const float *x, int64_t k, const int NR, const uint8_t *q0, const uint8_t *q1,
+                 const float *d0, const float *d1, const float *m0, const float *m1, int zero,
+                 const int q8, int64_t nc, float *y, int64_t ldy) {
+    __m256 acc[ROWS][2], w[2][4];
+    for (int r = 0; r < NR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        if (q8) {
+            q8_group((const int8_t *)q0 + g * GROUP, d0[g], w[0]);
+            q8_group((const int8_t *)q1 + g * GROUP, d1[g], w[1]);
+        } else {
+            q4_group(q0 + g * 16, d0[g], m0[g], zero, w[0]);
+            q4_group(q1 + g * 16, d1[g], m1[g], zero, w[1]);
+        }
+        for (int r = 0; r < NR; r++) {
+            const float *p = x + r * k + g * GROUP;
+            for (int s = 0; s < 4; s++) {
+                __m256 xv = _mm256_loadu_ps(p + 8 * s);
+                acc[r][0] = _mm256_fmadd_ps(w[0][s], xv, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w[1][s], xv, acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int64_t c = 0; c < nc; c++) y[r * ldy + c] = hsum8(acc[r][c]);
+}
+
+#define PAIR(NR, Q8) pair(x, k, NR, q0, q1, d0, d1, m0, m1, zero, Q8, nc, y, ldy)
+static void direct_pair(const float *x, int64_t k, int64_t nr, const uint8_t *q0,
+                        const uint8_t *q1, const float *d0, const float *d1, const float *m0,
+                        const float *m1, int zero, int q8, int64_t nc, float *y, int64_t ldy) {
+    /* every (rows, format) its own copy: constants unroll the rows, drop the format test */
+    switch (nr * 2 + (q8 != 0)) {
+    case 2: PAIR(1, 0); break;
+    case 3: PAIR(1, 1); break;
+    case 4: PAIR(2, 0); break;
+    case 5: PAIR(2, 1); break;
+    case 6: PAIR(3, 0); break;
+    case 7: PAIR(3, 1); break;
+    case 8: PAIR(4, 0); break;
+    default: PAIR(4, 1); break;
+    }
+}
+#undef PAIR
 
 /* Rows r0 .. r0+nr-1 (nr <= ROWS) against nc <= 2 expanded columns w [nc, k]. */
 static void tile(const float *x, int64_t k, int64_t nr, const float *w, int64_t nc, float *y,
@@ -170,14 +194,10 @@ static void columns(const float *x, int64_t m_rows, int64_t k, int64_t n, float 
             const uint8_t *qc = (const uint8_t *)qs + c * ng * width;
 #ifdef DISAGG_AVX2
             if (m_rows <= ROWS) {
-                for (int64_t i = 0; i < nc; i++) {
-                    if (q8)
-                        q8_column(x, k, m_rows, (const int8_t *)qc + i * ng * GROUP,
-                                  d + (c + i) * ng, y + c + i, n);
-                    else
-                        q4_column(x, k, m_rows, qc + i * ng * 16, d + (c + i) * ng,
-                                  mn + (c + i) * ng, zero, y + c + i, n);
-                }
+                int64_t c1 = nc > 1 ? c + 1 : c, bytes = ng * width;
+                const float *m0 = q8 ? d : mn + c * ng, *m1 = q8 ? d : mn + c1 * ng;
+                direct_pair(x, k, m_rows, qc, (const uint8_t *)qs + c1 * bytes, d + c * ng,
+                            d + c1 * ng, m0, m1, zero, q8, nc, y + c, n);
                 continue;
             }
 #endif
@@ -220,4 +240,100 @@ void disagg_q8_0_dequant(const int8_t *qs, const float *d, int64_t n, int64_t k,
     int64_t ng = k / GROUP;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < n; c++) q8_expand(qs + c * ng * GROUP, d + c * ng, ng, 1, out + c * k);
+}
+
+/* ---------------------------------------------------------------- the rest of a decode step
+ * The small operations between the matmuls, one call each for all rows: in torch they are
+ * some 30 dispatched ops a layer, ~10 ms of a 25 ms batch-1 step here. Rows are
+ * independent in each (batch invariant) and the order of every sum is fixed. */
+
+#include <math.h>
+
+/* sum a[j] b[j] over n (a multiple of 8): eight lanes, folded at the end */
+static inline float dot(const float *a, const float *b, int64_t n) {
+#ifdef DISAGG_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+    return hsum8(acc);
+#else
+    float lane[8] = {0};
+    for (int64_t j = 0; j < n; j++) lane[j % 8] += a[j] * b[j];
+    return ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+#endif
+}
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for r < m_rows. */
+void disagg_rms_norm(const float *x, const float *w, int64_t m_rows, int64_t dim, float eps,
+                     float *out) {
+    for (int64_t r = 0; r < m_rows; r++) {
+        const float *xr = x + r * dim;
+        float ss = dot(xr, xr, dim);
+        float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int64_t j = 0; j < dim; j++) out[r * dim + j] = xr[j] * inv * w[j];
+    }
+}
+
+/* qkv [M, (H + 2 Hkv) * D] from the fused projection: RoPE (HF's rotate_half layout; cos/sin
+ * rows per position, sin's first half negated) on the q and k heads in place, then k and v
+ * written to the layer's cache [slots, Hkv, max_len, D] at (slot r, position pos[r]). */
+void disagg_rope_store(float *qkv, int64_t m_rows, int64_t n_heads, int64_t n_kv, int64_t d,
+                       const int64_t *pos, const float *cos_t, const float *sin_t,
+                       float *kcache, float *vcache, int64_t max_len) {
+    int64_t width = (n_heads + 2 * n_kv) * d, half = d / 2;
+    for (int64_t r = 0; r < m_rows; r++) {
+        float *row = qkv + r * width;
+        const float *c = cos_t + pos[r] * d, *s = sin_t + pos[r] * d;
+        for (int64_t h = 0; h < n_heads + n_kv; h++) {
+            float *x = row + h * d;
+            float tmp[512];
+            for (int64_t j = 0; j < d; j++) tmp[j] = x[j];
+            for (int64_t j = 0; j < d; j++) {
+                float rot = j < half ? tmp[j + half] : tmp[j - half];
+                x[j] = tmp[j] * c[j] + rot * s[j];
+            }
+        }
+        for (int64_t h = 0; h < n_kv; h++) {
+            int64_t at = ((r * n_kv + h) * max_len + pos[r]) * d;
+            memcpy(kcache + at, row + (n_heads + h) * d, (size_t)d * sizeof(float));
+            memcpy(vcache + at, row + (n_heads + n_kv + h) * d, (size_t)d * sizeof(float));
+        }
+    }
+}
+
+/* out [M, H * D]: row r's query heads (grouped by kv head) attend over positions 0..pos[r]
+ * of its own cache slot. */
+void disagg_decode_attention(const float *qkv, int64_t m_rows, int64_t n_heads, int64_t n_kv,
+                             int64_t d, const int64_t *pos, const float *kcache,
+                             const float *vcache, int64_t max_len, float scale, float *out,
+                             float *scratch, int threads) {
+    int64_t width = (n_heads + 2 * n_kv) * d, group = n_heads / n_kv;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t rh = 0; rh < m_rows * n_heads; rh++) {
+        int64_t r = rh / n_heads, h = rh % n_heads, t = pos[r] + 1;
+        const float *q = qkv + r * width + h * d;
+        const float *k = kcache + (r * n_kv + h / group) * max_len * d;
+        const float *v = vcache + (r * n_kv + h / group) * max_len * d;
+        float *p = scratch + rh * max_len, *o = out + r * n_heads * d + h * d;
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < t; i++) {
+            p[i] = dot(q, k + i * d, d) * scale;
+            mx = p[i] > mx ? p[i] : mx;
+        }
+        float sum = 0.0f;
+        for (int64_t i = 0; i < t; i++) sum += (p[i] = expf(p[i] - mx));
+        for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
+        for (int64_t i = 0; i < t; i++) {
+            float w = p[i] / sum;
+            for (int64_t j = 0; j < d; j++) o[j] += w * v[i * d + j];
+        }
+    }
+}
+
+/* out[r, j] = silu(gu[r, j]) * gu[r, hidden + j]: the gate and up halves of the fused w13. */
+void disagg_silu_mul(const float *gu, int64_t m_rows, int64_t hidden, float *out) {
+    for (int64_t r = 0; r < m_rows; r++) {
+        const float *g = gu + r * 2 * hidden, *u = g + hidden;
+        for (int64_t j = 0; j < hidden; j++) out[r * hidden + j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
 }

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -38,7 +39,7 @@ from disagg.errors import ConfigError
 log = logging.getLogger("disagg.engine.quant")
 
 GROUP = 32
-DIRECT_ROWS = 64  # rows the block kernel takes; more go through fp32 sgemm
+DIRECT_ROWS = 64  # beyond: prefill's rows, multiplied by the dense fp32 weights (kernels.py)
 FORMATS = ("q4_0", "q4_1", "q8_0")
 _SOURCE = Path(__file__).with_name("qmatmul.c")
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -78,20 +79,23 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _compile(cc: str) -> Path:
-    key = hashlib.sha256(
-        _SOURCE.read_bytes() + cc.encode() + _cpu_flags().encode() + torch.__version__.encode()
-    ).hexdigest()[:16]
+# -ffp-contract=off: no fma the source does not write (the expansion matches gguf-py's)
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _compile(cc: list[str]) -> Path:
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
+    parts = [_SOURCE.read_text(), *cc, version, *FLAGS, _cpu_flags() or os.uname().machine]
+    key = hashlib.sha256("|".join([*parts, torch.__version__]).encode()).hexdigest()[:16]
     out = cache_dir() / f"qmatmul-{key}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    # -ffp-contract=off: no fma the source does not write (dequant matches gguf-py's)
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+    flags = FLAGS
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         run = subprocess.run(
-            [cc, *flags, str(_SOURCE), "-o", str(tmp_out)],
+            [*cc, *flags, str(_SOURCE), "-o", str(tmp_out)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -105,8 +109,10 @@ def _compile(cc: str) -> Path:
 @functools.cache
 def _library() -> ctypes.CDLL | str:
     """The loaded kernels, or why there are none."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    cc = shlex.split(os.environ.get("CC", "")) or [
+        c for c in (shutil.which("cc") or shutil.which("gcc"),) if c
+    ]
+    if not cc or shutil.which(cc[0]) is None:
         return "no C compiler (cc/gcc) on PATH to build engine/qmatmul.c"
     try:
         lib = ctypes.CDLL(str(_compile(cc)))
@@ -118,10 +124,33 @@ def _library() -> ctypes.CDLL | str:
     lib.disagg_q4_dequant.argtypes = [_ptr, _ptr, _ptr, ctypes.c_int, _i64, _i64, _ptr]
     lib.disagg_q4_dequant.argtypes += [ctypes.c_int]
     lib.disagg_q8_0_dequant.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, ctypes.c_int]
-    for f in ("disagg_q4_matmul", "disagg_q8_0_matmul", "disagg_q4_dequant"):
+    f32 = ctypes.c_float
+    lib.disagg_rms_norm.argtypes = [_ptr, _ptr, _i64, _i64, f32, _ptr]
+    lib.disagg_rope_store.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
+    lib.disagg_rope_store.argtypes += [_ptr, _i64]
+    lib.disagg_decode_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]
+    lib.disagg_decode_attention.argtypes += [_i64, f32, _ptr, _ptr, ctypes.c_int]
+    lib.disagg_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
+    for f in _VOID_FUNCTIONS:
         getattr(lib, f).restype = None
-    lib.disagg_q8_0_dequant.restype = None
     return lib
+
+
+_VOID_FUNCTIONS = (
+    "disagg_q4_matmul",
+    "disagg_q8_0_matmul",
+    "disagg_q4_dequant",
+    "disagg_q8_0_dequant",
+    "disagg_rms_norm",
+    "disagg_rope_store",
+    "disagg_decode_attention",
+    "disagg_silu_mul",
+)
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels (ConfigError where they cannot be built)."""
+    return _lib()
 
 
 def available() -> str | None:
@@ -191,10 +220,8 @@ def dequantize(w: QuantLinear) -> torch.Tensor:
 
 
 def qlinear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
-    """x [M, k] fp32 -> x @ W.T [M, n] fp32."""
+    """x [M, k] fp32 -> x @ W.T [M, n] fp32, any M (a row's result never depends on M)."""
     rows = x.shape[0]
-    if rows > DIRECT_ROWS:
-        return torch.nn.functional.linear(x, dequantize(w))
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[1] != w.k:
         raise ValueError(f"qlinear: x {tuple(x.shape)} {x.dtype} against weight [{w.n}, {w.k}]")

@@ -24,8 +24,12 @@ PREFILL, DECODE = "prefill", "decode"
 
 
 class PrefixLocality:
-    def __init__(self, max_tokens: int, block_size: int = 16) -> None:
+    def __init__(self, max_tokens: int, block_size: int = 16, track_decode: bool = True) -> None:
+        """`track_decode` False: decode is several instances with caches of their own, and
+        which one a request lands on is Triton's choice: nothing is assumed held there (a
+        hand-off skipping blocks would miss on most of them)."""
         self.block_size = block_size
+        self.track_decode = track_decode
         self.max_blocks = max_tokens // block_size
         self._root = root_hash("orchestrator-view", "", block_size)
         self._pools: dict[str, OrderedDict[BlockHash, None]] = {
@@ -50,7 +54,7 @@ class PrefixLocality:
 
     def record(self, pool: str, token_ids: Sequence[int], salt: str) -> None:
         """`pool` now holds the full blocks of `token_ids` (most recently used)."""
-        if self.max_blocks == 0:
+        if self.max_blocks == 0 or (pool == DECODE and not self.track_decode):
             return
         hashes = block_hashes(self._root, token_ids, self.block_size, salt)
         with self._lock:
