@@ -405,9 +405,9 @@ def test_decode_missing_the_prefix_gets_the_whole_prompt_and_the_reply_is_the_sa
     assert decode.cancelled == []  # decode refused the partial one: nothing to stop
 
 
-def test_a_resend_that_fails_is_a_pool_error_not_a_wrong_reply(tokenizer, args):
+def test_a_resend_whose_prefill_fails_is_prefilled_by_decode_and_completes(tokenizer, args):
     decode = PrefixMissingDecode([6, 7, 8])
-    o, _, prefill, _, _, turn2 = two_turns(tokenizer, args, decode)
+    o, events, prefill, _, _, turn2 = two_turns(tokenizer, args, decode)
     partial = prefill.prefill
 
     def only_once(request_id, prompt_ids, params, skip_tokens=0):
@@ -415,5 +415,12 @@ def test_a_resend_that_fails_is_a_pool_error_not_a_wrong_reply(tokenizer, args):
         return partial(request_id, prompt_ids, params, skip_tokens)
 
     prefill.prefill = only_once
-    with pytest.raises(PoolError, match="decode lacked the prompt's prefix, and prefill failed"):
-        o.run(turn2, lambda r: None)
+    deltas = []
+    final = o.run(turn2, lambda r: deltas.append(r.text))
+    first = final.token_ids[0]
+    handoff, prompt_ids = decode.calls[-1]
+    # decode prefills the prompt and the first token already streamed, and goes on from it
+    assert handoff is None and prompt_ids == turn2.prompt_ids + [first]
+    assert final.token_ids[1:4] == [6, 7, 8]
+    assert "".join(deltas) + final.text == tokenizer.decode(final.token_ids)
+    assert final.finish_reason == "length" and events.names("kv_prefix_miss")

@@ -198,20 +198,26 @@ class Orchestrator:
                     req.request_id, e, run.num_output_tokens,
                 )  # fmt: skip
                 self.events.error("decode", "migrated")
-                run.handoff = None
-                run.current = dataclasses.replace(
-                    req,
-                    request_id=C.child_request_id(req.request_id),
-                    prompt_ids=req.prompt_ids + run.token_ids,
-                    # (the tokens so far become prompt: presence/frequency penalties no
-                    # longer count them, repetition_penalty still does)
-                    params=dataclasses.replace(
-                        req.params,
-                        max_tokens=left,
-                        min_tokens=max(req.params.min_tokens - run.num_output_tokens, 0),
-                    ),
-                )
+                self._continue_from_tokens(run, left)
         raise AssertionError("unreachable")
+
+    def _continue_from_tokens(self, run: RequestRun, left: int) -> None:
+        """Decode goes on by prefilling the prompt plus every token already sent (under a
+        child id: the first attempt's may still be known to decode)."""
+        req = run.request
+        run.handoff = None
+        run.current = dataclasses.replace(
+            req,
+            request_id=C.child_request_id(req.request_id),
+            prompt_ids=req.prompt_ids + run.token_ids,
+            # (the tokens so far become prompt: presence/frequency penalties no longer count
+            # them, repetition_penalty still does)
+            params=dataclasses.replace(
+                req.params,
+                max_tokens=left,
+                min_tokens=max(req.params.min_tokens - run.num_output_tokens, 0),
+            ),
+        )
 
     def _decode_resending(self, run: RequestRun) -> str:
         """Decode; when decode lacks the prefix a partial hand-off left out, hand the whole
@@ -223,7 +229,16 @@ class Orchestrator:
                 raise PoolError(str(e)) from e
             log.info("request %s: %s; handing off the whole prompt", run.request.request_id, e)
             self.events.kv_prefix_miss()
-            run.handoff, run.decode_pid = self._prefill_whole(run, run.handoff), 0
+            run.decode_pid = 0
+            try:
+                run.handoff = self._prefill_whole(run, run.handoff)
+            except PoolError as pe:  # decode prefills it then, from the tokens already sent
+                log.warning("request %s: %s; decode prefills it", run.request.request_id, pe)
+                self.events.error("prefill", "pool")
+                left = run.request.params.max_tokens - run.num_output_tokens
+                if left <= 0:
+                    return FinishReason.LENGTH.value
+                self._continue_from_tokens(run, left)
             return self._decode(run)
 
     def _prefill_whole(self, run: RequestRun, partial: Handoff) -> Handoff:
@@ -231,11 +246,17 @@ class Orchestrator:
         seed: the random stream decode continues)."""
         req = run.request
         assert self.prefill_pool is not None  # (the partial hand-off came from it)
+        start = time.perf_counter()
         try:
             whole = self.prefill_pool.prefill(req.request_id, req.prompt_ids, req.params)
         except PoolError as e:
             raise PoolError(f"decode lacked the prompt's prefix, and prefill failed: {e}") from e
-        return dataclasses.replace(whole, first_token=partial.first_token, seed=partial.seed)
+        return dataclasses.replace(
+            whole,
+            first_token=partial.first_token,
+            seed=partial.seed,
+            call_time_s=time.perf_counter() - start,  # (the hand-off's cost is learned from it)
+        )
 
     def _decode(self, run: RequestRun) -> str:
         current = run.current
