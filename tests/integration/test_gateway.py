@@ -251,7 +251,7 @@ def test_errors_in_openai_format(gateway, client):
     for kwargs, param in [
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 500}}, "logit_bias"),  # out of [-100, 100]
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"temperature": 5}, "temperature"),
     ]:

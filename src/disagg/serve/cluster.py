@@ -140,10 +140,14 @@ class Cluster:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, sig)
+        # Longer than a serve process's own wait for its tritonserver (drain_s + 20 s): it
+        # must get to kill that server itself. Triton runs in a session of its own, so
+        # killing the serve process's group first would leave it behind (seen once in CI).
+        timeout_s = ServeSettings.load(self.config).drain_s + 40.0
         for node_name, proc in list(self.procs.items()):
             if name is None or node_name == name:
                 try:
-                    proc.wait(timeout=30)
+                    proc.wait(timeout=timeout_s)
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
