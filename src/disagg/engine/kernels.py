@@ -38,7 +38,7 @@ class BlockLinear:
     results equal the dense engine's; a decode row's summation order differs from it."""
 
     blocks: QuantLinear
-    dense: Linear | None  # None: rows beyond DIRECT_ROWS expand the blocks per call
+    dense: Linear
 
     @property
     def fmt(self) -> str:
@@ -135,7 +135,7 @@ def linear(x: torch.Tensor, lin: Linear | BlockLinear) -> torch.Tensor:
     one differ by rounding: decode batches never cross that line (engine/fused_decode.py
     multiplies blocks at any size; the torch decode path caps max_num_seqs there)."""
     if isinstance(lin, BlockLinear):
-        if x.shape[0] > DIRECT_ROWS and lin.dense is not None:
+        if x.shape[0] > DIRECT_ROWS:
             return linear(x, lin.dense)
         return qlinear(x, lin.blocks)
     if lin.weight.dtype != x.dtype:  # bf16 weights: bf16 in, fp32 residual stream out

@@ -2,16 +2,16 @@
 
 A `QuantLinear` keeps the blocks as the file has them (scales widened to fp32) and multiplies
 fp32 activations with them through qmatmul.c: a decode step reads 0.75 byte a weight (Q4_1)
-instead of 4, which is what bounds it. Rows beyond `DIRECT_ROWS` (prefill, long chunks) are
-compute bound instead: there the blocks are expanded to fp32, exactly the weights the
-dequantized engine holds, and multiplied by sgemm. Decode batches always take the direct
-kernel (max_num_seqs is capped at DIRECT_ROWS), so a sequence's tokens never depend on the
-batch it is in.
+instead of 4, which is what bounds it. A row's result never depends on the other rows, at
+any batch size. Beyond `DIRECT_ROWS` rows (prefill, long chunks) the work is compute bound
+instead, and kernels.BlockLinear multiplies the same weights held dense (oneDNN).
+`dequantize` gives the fp32 weights the blocks stand for (exactly gguf-py's: the tests'
+reference).
 
 The C file is compiled once per machine with the system's C compiler (cc -O3
 -march=native, a second or two) into a cache directory, keyed by the source, the compiler
 and the CPU's flags; where no compiler is found, `available()` says why and the engine serves
-the dequantized fp32 weights instead (weights "auto"), or refuses (a quantized format forced).
+the dequantized fp32 weights instead (weights "auto").
 """
 
 from __future__ import annotations
