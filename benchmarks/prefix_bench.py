@@ -8,6 +8,8 @@ Two workloads, sent through the OpenAI chat API with the official `openai` packa
              64 output tokens each
   multiturn  8 conversations x 6 turns at once (each conversation waits for its reply),
              a ~500-token system prompt shared by all, ~50-token user turns, 64-token replies
+  chat       closed loop, nothing shared (issue 24's workload): 16 clients, each sending
+             `--turns` unrelated ~150-token prompts in turn, 64 output tokens each
 
 For each server: TTFT p50/p90 (turns 2-6 apart for multiturn), output tokens/s over the
 run, and the prompt tokens the server says it took from its cache (usage
@@ -19,8 +21,8 @@ disaggregated mode: --mode disaggregated): moved and left out (decode held them)
 whole run, and per turn for one more conversation run alone after it (the run's
 conversations overlap, so the server's counters cannot tell their turns apart).
 
-    python benchmarks/prefix_bench.py [--servers disagg-off disagg-on vllm-on]
-        [--workloads shared multiturn]
+    python benchmarks/prefix_bench.py [--servers disagg-off disagg-on disagg-int8 vllm-on]
+        [--workloads shared multiturn chat]
 
 Prints tables; writes results/prefix_bench.json and results/prefix_bench.png.
 """
@@ -127,7 +129,22 @@ async def multiturn(client, a) -> list[Result]:
     return [r for conv in per for r in conv]
 
 
-WORKLOADS = {"shared": shared, "multiturn": multiturn}
+async def chat_loop(client, a) -> list[Result]:
+    """Issue 24's closed-loop chat: `concurrency` clients, each sending `turns` unrelated
+    ~150-token prompts one after another (nothing shared: no cache hits to flatter anyone)."""
+
+    async def client_loop(c: int) -> list[Result]:
+        out = []
+        for turn in range(a.turns):
+            msgs = [{"role": "user", "content": words(150, 50_000 + 100 * c + turn)}]
+            out.append((await chat(client, msgs, a.max_tokens))[0])
+        return out
+
+    per = await asyncio.gather(*(client_loop(c) for c in range(a.concurrency)))
+    return [r for conv in per for r in conv]
+
+
+WORKLOADS = {"shared": shared, "multiturn": multiturn, "chat": chat_loop}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +237,10 @@ def summarize(results: list[Result], wall: float) -> dict:
         "wall_s": wall, "tok_s": sum(r.output_tokens for r in ok) / wall,
         "ttft_p50_s": statistics.median([r.ttft_s for r in ok]) if ok else 0.0,
         "ttft_p90_s": _pct([r.ttft_s for r in ok], 0.9),
+        "tpot_p50_ms": statistics.median(
+            [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) * 1e3 for r in ok if r.output_tokens > 1]
+            or [0.0]
+        ),
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "cached_tokens": sum(r.cached_tokens for r in ok),
         "first_error": next((r.error for r in results if r.error), ""),
@@ -232,8 +253,9 @@ def summarize(results: list[Result], wall: float) -> dict:
 
 # ------------------------------------------------------------------ servers
 @contextlib.contextmanager
-def disagg_server(a, cache: bool) -> Iterator[Endpoint]:
-    """`disagg serve` (embedded tritonserver + gateway) with the prefix cache on or off."""
+def disagg_server(a, cache: bool, **extra: str) -> Iterator[Endpoint]:
+    """`disagg serve` (embedded tritonserver + gateway) with the prefix cache on or off, and
+    `extra` settings (decode_activations="int8") over the DISAGG_<SETTING> variables."""
     import dataclasses as dc
 
     from disagg.serve.gateway_process import GatewayProcess
@@ -242,6 +264,7 @@ def disagg_server(a, cache: bool) -> Iterator[Endpoint]:
 
     http, grpc, metrics, gw = free_ports(4)
     env = dict(os.environ, DISAGG_MODE=a.mode)
+    env.update({f"DISAGG_{k.upper()}": v for k, v in extra.items()})
     settings = dc.replace(
         ServeSettings.load(env=env), engine_dir=a.engine_dir, build_dir=tempfile.mkdtemp(),
         http_port=http, grpc_port=grpc, metrics_port=metrics, gateway_port=gw,
@@ -330,6 +353,7 @@ def vllm_server(a, cache: bool) -> Iterator[Endpoint]:
 SERVERS = {
     "disagg-off": lambda a: disagg_server(a, cache=False),
     "disagg-on": lambda a: disagg_server(a, cache=True),
+    "disagg-int8": lambda a: disagg_server(a, cache=True, decode_activations="int8"),
     "vllm-off": lambda a: vllm_server(a, cache=False),
     "vllm-on": lambda a: vllm_server(a, cache=True),
 }
@@ -340,13 +364,14 @@ def table(res: dict) -> str:
     lines = []
     for w, per in res["workloads"].items():
         lines += [f"\n### {w}\n", "| server | TTFT p50 (s) | TTFT p90 (s) | turns 2+ TTFT p50 (s) "
-                  "| output tok/s | cached / prompt tokens | errors |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| TPOT p50 (ms) | output tok/s | cached / prompt tokens | errors |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for s, r in per.items():
             later = f"{r['ttft_p50_later_s']:.2f}" if "ttft_p50_later_s" in r else "-"
             lines.append(
                 f"| {s} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {later} | "
-                f"{r['tok_s']:.1f} | {r['cached_tokens']} / {r['prompt_tokens']} | {r['errors']} |"
+                f"{r.get('tpot_p50_ms', 0.0):.0f} | {r['tok_s']:.1f} | "
+                f"{r['cached_tokens']} / {r['prompt_tokens']} | {r['errors']} |"
             )
         lines += handoff_table(per)
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from disagg.bench.quality import PROMPTS, TEXT, greedy, perplexity
 from disagg.engine.checkpoint import find_packaged_smollm2
 from disagg.engine.model import KVCacheSlots, Llama
 from disagg.engine.tokenizer import Tokenizer
@@ -35,7 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engines/smollm2-135m-instruct"
 BATCHES = (1, 4, 16)
 CONTEXT = 200
-sys.path.insert(0, str(ROOT / "tests" / "model"))
 
 
 def cpu_description() -> dict[str, object]:
@@ -69,14 +69,17 @@ def prefill_s(model: Llama, n: int = 512) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from test_quantized_weights import PROMPTS, TEXT, greedy, perplexity
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--llama-python", help="a python with llama-cpp-python, for llama.cpp's cells")
     a = p.parse_args(argv)
     models = {w: Llama.load(ENGINE, weights=w) for w in ("auto", "float32")}
-    names = {"auto": f"blocks ({models['auto'].weights})", "float32": "fp32 (dense)"}
+    models["int8"] = Llama.load(ENGINE, weights="auto", activations="int8")
+    names = {
+        "auto": f"blocks ({models['auto'].weights}), fp32 activations",
+        "int8": f"blocks ({models['int8'].weights}), int8 activations",
+        "float32": "fp32 (dense)",
+    }
     tok = Tokenizer(ENGINE)
     cells: dict[str, dict[str, list[float]]] = {w: {} for w in models}
     for r in range(a.rounds):
@@ -90,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     for w, m in models.items():
         best[w]["perplexity"] = perplexity(m, ids)
     replies = {w: greedy(m, [tok.encode(q) for q in PROMPTS], 24) for w, m in models.items()}
-    same = sum(x == y for x, y in zip(replies["auto"], replies["float32"], strict=True))
+    same = {
+        w: sum(x == y for x, y in zip(replies[w], replies["float32"], strict=True))
+        for w in ("auto", "int8")
+    }
     llama: dict[str, float] = {}
     for _ in range(a.rounds if a.llama_python else 0):  # alone, after ours; best of rounds
         script = str(ROOT / "benchmarks/llamacpp_decode.py")
@@ -122,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(best: dict, names: dict, same: int, llama: dict[str, float]) -> None:
+def report(best: dict, names: dict, same: dict[str, int], llama: dict[str, float]) -> None:
     cols = [f"decode_b{b}_ms" for b in BATCHES] + ["prefill_512_s", "perplexity"]
     print("| weights | " + " | ".join(c.replace("_", " ") for c in cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
@@ -131,17 +137,19 @@ def report(best: dict, names: dict, same: int, llama: dict[str, float]) -> None:
     if llama:
         row = " | ".join(f"{llama.get(c, float('nan')):.3g}" for c in cols[:3])
         print(f"| llama.cpp (same GGUF) | {row} | - | - |")
-    q, f = best["auto"], best["float32"]
-    print(
-        f"\nbatch-1 decode {f['decode_b1_ms'] / q['decode_b1_ms']:.2f}x fp32, 16 sequences "
-        f"{f['decode_b16_ms'] / q['decode_b16_ms']:.2f}x; perplexity {q['perplexity']:.3f} vs "
-        f"{f['perplexity']:.3f}; greedy replies equal on {same}/16"
-    )
-    if llama:
+    f = best["float32"]
+    for w in ("auto", "int8"):
+        q = best[w]
         print(
-            f"against llama.cpp: batch 1 {llama['decode_b1_ms'] / q['decode_b1_ms']:.2f}x its "
-            f"speed, 16 sequences {llama['decode_b16_ms'] / q['decode_b16_ms']:.2f}x"
+            f"\n{names[w]}: batch-1 decode {f['decode_b1_ms'] / q['decode_b1_ms']:.2f}x fp32, "
+            f"16 sequences {f['decode_b16_ms'] / q['decode_b16_ms']:.2f}x; perplexity "
+            f"{q['perplexity']:.3f} vs {f['perplexity']:.3f}; greedy replies equal on {same[w]}/16"
         )
+        if llama:
+            print(
+                f"  against llama.cpp: batch 1 {llama['decode_b1_ms'] / q['decode_b1_ms']:.2f}x "
+                f"its speed, 16 sequences {llama['decode_b16_ms'] / q['decode_b16_ms']:.2f}x"
+            )
 
 
 def plot(best: dict, names: dict, llama: dict[str, float], path: Path) -> None:

@@ -55,8 +55,9 @@ class LLM:
         compute_dtype: str = "auto",
         device: str = "cpu",
         weights: str = "auto",
+        activations: str = "float32",
     ) -> None:
-        self.model = Llama.load(engine_dir, compute_dtype, device, weights)
+        self.model = Llama.load(engine_dir, compute_dtype, device, weights, activations)
         self.tokenizer = Tokenizer(engine_dir)
         self.config = config or EngineConfig(max_model_len=self.model.args.max_context)
         eos = {t for t in (self.tokenizer.eos_token_id,) if t is not None}

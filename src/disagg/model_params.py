@@ -74,6 +74,7 @@ class DecodeParams(TrtllmDecodeParams):
     engine_dir: str
     compute_dtype: str
     weights: str
+    decode_activations: str
     device: str
     max_tokens_limit: int
     decode_prefill_chunk: int

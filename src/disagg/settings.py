@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.contracts import CONDITIONAL, DISAGGREGATED, MODES
+from disagg.engine.config import ACTIVATIONS
 from disagg.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +86,11 @@ class ServeSettings:
     # Q8_0) where their CPU kernels build (engine/quant.py: a C compiler), else dense weights
     # at compute_dtype; "float32" / "bfloat16": dense at that precision (compute_dtype unused)
     weights: str = "auto"
+    # what decode's block products multiply: "float32" activations (the fp32 engine's
+    # results up to summation order), or "int8": each row quantized per 32 values, as
+    # llama.cpp does (~1.5x faster decode here; perplexity +0.4%, some greedy replies part
+    # at near ties: docs/benchmarks.md). Only with quantized weights served.
+    decode_activations: str = "float32"
     # where disagg's engine (engine_backend pytorch) runs: "cpu", or "cuda" / "cuda:N"
     device: str = "cpu"
     # the engine of the prefill and decode pools: "pytorch" (disagg's, CPU) or "tensorrt_llm"
@@ -161,6 +167,11 @@ class ServeSettings:
         if self.weights not in ("auto", "float32", "bfloat16"):
             raise ConfigError(
                 f"setting weights must be auto, float32 or bfloat16, got {self.weights!r}"
+            )
+        if self.decode_activations not in ACTIVATIONS:
+            raise ConfigError(
+                "setting decode_activations must be float32 or int8, "
+                f"got {self.decode_activations!r}"
             )
         if self.engine_backend not in ("pytorch", "tensorrt_llm"):
             raise ConfigError(

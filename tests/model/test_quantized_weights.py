@@ -8,11 +8,10 @@ perplexity stays within 1%; batch invariance, hand-offs and chunked prefill are 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from disagg.bench.quality import PROMPTS, TEXT, greedy, perplexity
 from disagg.engine.config import EngineConfig
 from disagg.engine.llm_engine import DecodeEngine, PrefillEngine
 from disagg.engine.model import KVCacheSlots, Llama
@@ -20,32 +19,6 @@ from disagg.engine.sequence import SamplingParams
 from disagg.errors import ConfigError
 
 pytestmark = pytest.mark.model
-
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Water boils at",
-    "The three primary colors are",
-    "A haiku about the sea:",
-    "import numpy as np\n",
-    "The largest planet in the solar system",
-    "Once upon a time, in a small village,",
-    "SELECT name FROM users WHERE",
-    "The speed of light is",
-    "To make a cup of tea, first",
-    "Photosynthesis is the process",
-    "The French word for cat is",
-    "1, 2, 3, 5, 8, 13,",
-    "Dear hiring manager,",
-    "The opposite of hot is",
-]
-TEXT = (
-    "Prefill reads the whole prompt at once and is bound by arithmetic; decode produces one "
-    "token per step for every running sequence and is bound by how fast the weights and the "
-    "KV cache stream from memory. Serving both phases in one process wastes one resource or "
-    "the other, which is why a disaggregated server gives each phase its own pool of workers "
-    "and moves the KV cache between them."
-)
 
 
 @pytest.fixture(scope="module")
@@ -56,29 +29,6 @@ def blocks(engine_dir):
 @pytest.fixture(scope="module")
 def dense(engine_dir):
     return Llama.load(engine_dir, weights="float32")
-
-
-def greedy(model: Llama, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """n greedy tokens for each prompt, decoded as one batch (batch invariance makes that
-    the same as decoding each alone)."""
-    cache = KVCacheSlots(model.args, len(prompts), max(map(len, prompts)) + n + 1)
-    out = [[int(model.prefill_chunk(ids, 0, cache, i).argmax())] for i, ids in enumerate(prompts)]
-    for step in range(n - 1):
-        tokens = torch.tensor([o[-1] for o in out])
-        pos = torch.tensor([len(ids) + step for ids in prompts])
-        for o, t in zip(out, model.decode(tokens, pos, cache).argmax(-1).tolist(), strict=True):
-            o.append(int(t))
-    return out
-
-
-def perplexity(model: Llama, ids: list[int]) -> float:
-    """Teacher-forced through decode steps: every matmul on the decode path."""
-    cache = KVCacheSlots(model.args, 1, len(ids) + 1)
-    nll = 0.0
-    for i in range(len(ids) - 1):
-        logits = model.decode(torch.tensor([ids[i]]), torch.tensor([i]), cache)[0]
-        nll -= float(torch.log_softmax(logits, -1)[ids[i + 1]])
-    return math.exp(nll / (len(ids) - 1))
 
 
 def test_auto_serves_the_checkpoints_blocks(blocks, dense):

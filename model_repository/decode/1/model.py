@@ -29,7 +29,9 @@ class TritonPythonModel:
             pb.set_torch_threads(p.decode_torch_threads)
             eos = {Tokenizer(p.engine_dir).eos_token_id} - {None}
             engine = DecodeEngine(
-                Llama.load(p.engine_dir, p.compute_dtype, p.device, p.weights),
+                Llama.load(
+                    p.engine_dir, p.compute_dtype, p.device, p.weights, p.decode_activations
+                ),
                 p.engine_config(),
                 eos,
                 on_admit=self.metrics.on_admit,

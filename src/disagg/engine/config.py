@@ -9,6 +9,9 @@ from typing import Any
 
 from disagg.errors import ConfigError
 
+# what a decode step's block products multiply (model.Llama.activations; qdot.c for int8)
+ACTIVATIONS = ("float32", "int8")
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 QUANT_WEIGHTS_FILE = "model.q.safetensors"  # the checkpoint's own quantized blocks

@@ -40,6 +40,7 @@ class Llama(Protocol):
     scale: float
     layers: list[Any]  # model.LayerWeights
     lm_head: Linear | BlockLinear
+    activations: str  # "float32" or "int8": what the blocks multiply
 
 
 MAX_HEAD_DIM = 512  # qmatmul.c's RoPE buffer
@@ -62,10 +63,12 @@ def _p(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def _mm(x: torch.Tensor, lin: Linear | BlockLinear) -> torch.Tensor:
+def _mm(x: torch.Tensor, lin: Linear | BlockLinear, int8: bool) -> torch.Tensor:
     """The blocks at any batch size (kernels.linear would take the dense copy past
     DIRECT_ROWS rows: a sequence's tokens would then depend on the batch)."""
-    return quant.qlinear(x, lin.blocks) if isinstance(lin, BlockLinear) else linear(x, lin)
+    if isinstance(lin, BlockLinear):
+        return quant.qlinear(x, lin.blocks, int8)
+    return linear(x, lin)
 
 
 @torch.inference_mode()
@@ -76,7 +79,7 @@ def decode(
     a, lib = model.args, quant.library()
     b, dim = tokens.shape[0], a.dim
     pos = positions.to(torch.int64).contiguous()
-    threads = torch.get_num_threads()
+    threads, int8 = torch.get_num_threads(), model.activations == "int8"
     x = model.embed[tokens].contiguous()  # [B, dim], the residual stream
     h = torch.empty_like(x)
     attn = torch.empty(b, a.n_heads * a.head_dim)
@@ -85,7 +88,7 @@ def decode(
     cos, sin = model.cos, model.sin
     for i, layer in enumerate(model.layers):
         lib.disagg_rms_norm(_p(x), _p(layer.attn_norm), b, dim, a.norm_eps, _p(h))
-        qkv = _mm(h, layer.wqkv)  # [B, (H + 2 H_kv) D]
+        qkv = _mm(h, layer.wqkv, int8)  # [B, (H + 2 H_kv) D]
         kc, vc = cache.k[i], cache.v[i]
         lib.disagg_rope_store(
             _p(qkv), b, a.n_heads, a.n_kv_heads, a.head_dim, _p(pos), _p(cos), _p(sin),
@@ -95,10 +98,10 @@ def decode(
             _p(qkv), b, a.n_heads, a.n_kv_heads, a.head_dim, _p(pos), _p(kc), _p(vc),
             cache.max_len, model.scale, _p(attn), _p(scores), threads,
         )  # fmt: skip
-        x += _mm(attn, layer.wo)
+        x += _mm(attn, layer.wo, int8)
         lib.disagg_rms_norm(_p(x), _p(layer.ffn_norm), b, dim, a.norm_eps, _p(h))
-        gate_up = _mm(h, layer.w13)  # (held: a temporary's memory could be reused)
+        gate_up = _mm(h, layer.w13, int8)  # (held: a temporary's memory could be reused)
         lib.disagg_silu_mul(_p(gate_up), b, a.hidden_dim, _p(act))
-        x += _mm(act, layer.w2)
+        x += _mm(act, layer.w2, int8)
     lib.disagg_rms_norm(_p(x), _p(model.norm), b, dim, a.norm_eps, _p(h))
-    return _mm(h, model.lm_head)
+    return _mm(h, model.lm_head, False)  # fp32 logits' input: see Llama's docstring

@@ -41,7 +41,8 @@ log = logging.getLogger("disagg.engine.quant")
 GROUP = 32
 DIRECT_ROWS = 64  # beyond: prefill's rows, multiplied by the dense fp32 weights (kernels.py)
 FORMATS = ("q4_0", "q4_1", "q8_0")
-_SOURCE = Path(__file__).with_name("qmatmul.c")
+# fp32 activations (qmatmul.c) and int8-quantized ones (qdot.c), one library
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "qdot.c"))
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -85,7 +86,13 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 
 def _compile(cc: list[str]) -> Path:
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
-    parts = [_SOURCE.read_text(), *cc, version, *FLAGS, _cpu_flags() or os.uname().machine]
+    parts = [
+        *(f.read_text() for f in _SOURCES),
+        *cc,
+        version,
+        *FLAGS,
+        _cpu_flags() or os.uname().machine,
+    ]
     key = hashlib.sha256("|".join([*parts, torch.__version__]).encode()).hexdigest()[:16]
     out = cache_dir() / f"qmatmul-{key}.so"
     if out.is_file():
@@ -95,7 +102,7 @@ def _compile(cc: list[str]) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         run = subprocess.run(
-            [*cc, *flags, str(_SOURCE), "-o", str(tmp_out)],
+            [*cc, *flags, *map(str, _SOURCES), "-o", str(tmp_out)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -131,6 +138,9 @@ def _library() -> ctypes.CDLL | str:
     lib.disagg_decode_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]
     lib.disagg_decode_attention.argtypes += [_i64, f32, _ptr, _ptr, ctypes.c_int]
     lib.disagg_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.disagg_qdot_matmul.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _i64]
+    lib.disagg_qdot_matmul.argtypes += [_ptr, ctypes.c_int]
+    lib.disagg_qdot_quantize.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
     for f in _VOID_FUNCTIONS:
         getattr(lib, f).restype = None
     return lib
@@ -145,6 +155,7 @@ _VOID_FUNCTIONS = (
     "disagg_rope_store",
     "disagg_decode_attention",
     "disagg_silu_mul",
+    "disagg_qdot_quantize",
 )
 
 
@@ -219,20 +230,29 @@ def dequantize(w: QuantLinear) -> torch.Tensor:
     return out
 
 
-def qlinear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
-    """x [M, k] fp32 -> x @ W.T [M, n] fp32, any M (a row's result never depends on M)."""
+def qlinear(x: torch.Tensor, w: QuantLinear, int8: bool = False) -> torch.Tensor:
+    """x [M, k] fp32 -> x @ W.T [M, n] fp32, any M (a row's result never depends on M).
+    `int8`: each row quantized per group of 32 to int8 first and multiplied in integers
+    (qdot.c, llama.cpp's scheme); else fp32 activations against the expanded weights."""
     rows = x.shape[0]
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[1] != w.k:
         raise ValueError(f"qlinear: x {tuple(x.shape)} {x.dtype} against weight [{w.n}, {w.k}]")
     y = torch.empty(rows, w.n, dtype=torch.float32)
     threads = torch.get_num_threads()
+    lib = _lib()
+    if int8:
+        fmt = FORMATS.index(w.fmt)  # qdot.c's enum: 0 q4_0, 1 q4_1, 2 q8_0
+        args = (x.data_ptr(), rows, w.k, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), fmt)
+        if lib.disagg_qdot_matmul(*args, w.n, y.data_ptr(), threads) != 0:
+            raise MemoryError(f"qlinear: no scratch for {rows} x {w.k} quantized activations")
+        return y
     if w.fmt == "q8_0":
-        _lib().disagg_q8_0_matmul(
+        lib.disagg_q8_0_matmul(
             x.data_ptr(), rows, w.k, w.qs.data_ptr(), w.d.data_ptr(), w.n, y.data_ptr(), threads
         )
         return y
-    _lib().disagg_q4_matmul(
+    lib.disagg_q4_matmul(
         x.data_ptr(),
         rows,
         w.k,
@@ -245,6 +265,17 @@ def qlinear(x: torch.Tensor, w: QuantLinear) -> torch.Tensor:
         threads,
     )
     return y
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `qlinear(int8=True)` multiplies: x [M, k] -> qx [M, k] int8, dx and sx [M, k/32]
+    (scale, scale * sum of the group's qx)."""
+    x = x.contiguous().float()
+    rows, k = x.shape
+    qx = torch.empty(rows, k, dtype=torch.int8)
+    dx, sx = torch.empty(rows, k // GROUP), torch.empty(rows, k // GROUP)
+    _lib().disagg_qdot_quantize(x.data_ptr(), rows, k, qx.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    return qx, dx, sx
 
 
 def load_blocks(engine_dir: str | Path) -> dict[str, QuantLinear] | None:

@@ -145,7 +145,11 @@ def _weights(settings: ServeSettings) -> str:
         return f"auto: {dense} (the engine has no quantized blocks)"
     if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         return f"auto: {dense} (no C compiler for the block kernels)"
-    return f"auto: the checkpoint's own {'+'.join(formats)} blocks (DISAGG_WEIGHTS=float32: dense)"
+    acts = settings.decode_activations
+    return (
+        f"auto: the checkpoint's own {'+'.join(formats)} blocks, {acts} decode activations "
+        "(DISAGG_WEIGHTS=float32: dense; DISAGG_DECODE_ACTIVATIONS=int8: faster decode)"
+    )
 
 
 def print_banner(settings: ServeSettings, gateway: GatewayProcess, e: Endpoints) -> None:
