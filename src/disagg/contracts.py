@@ -127,6 +127,9 @@ TOKEN_PARAM = "disagg_token"
 # for the dead process until the callee's send blocks (a killed orchestrator stalled
 # decode's engine loop, and with it every other request, for good).
 CALLER_PID_PARAM = "disagg_caller_pid"
+# every request parameter our models read: an entry model refuses any other (a generate
+# field that is no input of the model arrives as a parameter; codec.tensors.check_parameters)
+REQUEST_PARAMETERS = (CALLER_PARAM, TOKEN_PARAM, CALLER_PID_PARAM)
 TOKEN_ENV = "DISAGG_INTERNAL_TOKEN"
 ERROR_KIND = "error_kind"  # BYTES [1]: "" on success
 

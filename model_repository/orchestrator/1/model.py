@@ -28,6 +28,7 @@ class TritonPythonModel:
         pb.configure_logging()
         p = pb.model_parameters(args).typed(OrchestratorParams)
         self.decoupled = pb.is_decoupled(args)
+        self.model_name = args["model_name"]  # orchestrator or orchestrator_sync
         self.tokenizer = Tokenizer(p.engine_dir)
         self.max_tokens_default = p.max_tokens_default
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
@@ -89,7 +90,9 @@ class TritonPythonModel:
 
     def _parse(self, request):
         req = build_request(
-            OrchestratorRequest.decode(pb.input_arrays(request, OrchestratorRequest.TENSORS.names)),
+            OrchestratorRequest.decode(
+                pb.client_inputs(request, OrchestratorRequest.TENSORS, self.model_name)
+            ),
             self.tokenizer,
             self.max_tokens_default,
             caller_id=request.request_id(),

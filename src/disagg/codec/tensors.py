@@ -160,6 +160,23 @@ def read_fields(
     return fields
 
 
+def check_parameters(parameters: Iterable[str], message: Tensors, model: str) -> None:
+    """Refuse a client request to an entry model whose parameters are not all disagg's own
+    (contracts.REQUEST_PARAMETERS), naming them. Triton's generate endpoint passes a JSON
+    field that is no input of the model, at the top level or under "parameters", on as a
+    request parameter (server v2.51 src/http_server.cc, `ExactMappingInput`), so a misspelt
+    or unsupported input ("max_token", "top_n") was dropped silently and the request served
+    without it. (An unknown *tensor* of an infer call never gets here: Triton refuses it,
+    "unexpected inference input".)"""
+    unknown = sorted(set(parameters) - set(C.REQUEST_PARAMETERS))
+    if unknown:  # a client's names: a few, each cut short, repr'd (no newline in a log)
+        names = ", ".join(repr(name[:64]) for name in unknown[:5])
+        raise RequestError(
+            f"unknown input {names} for model '{model}' (a field of the request that is no "
+            f"input of the model); its inputs are: {', '.join(message.names)}"
+        )
+
+
 # ------------------------------------------------------------------ reading outputs
 
 

@@ -21,6 +21,7 @@ from disagg.errors import ConfigError
 from disagg.gateway.app import GatewayConfig, create_app
 from disagg.gateway.auth import KEYS_ENV, KeyStore, RateLimiter
 from disagg.gateway.backend import TritonBackend
+from disagg.gateway.http import MAX_HEAD_BYTES, H11HeadLimit
 from disagg.gateway.registry import Registry
 from disagg.settings import ServeSettings
 
@@ -77,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         port=settings.gateway_port,
         log_level="warning",
         timeout_graceful_shutdown=5,
+        # h11 always (not httptools when installed): a head past MAX_HEAD_BYTES is a 431
+        http=H11HeadLimit,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
     )
     return 0
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -22,6 +23,7 @@ from starlette.routing import Route
 from disagg.gateway.admin import AdminRoutes
 from disagg.gateway.auth import KeyStore, RateLimiter
 from disagg.gateway.backend import TritonBackend
+from disagg.gateway.http import HeadLimit
 from disagg.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from disagg.gateway.openai_routes import OpenAIRoutes
 from disagg.gateway.registry import Registry
@@ -92,4 +94,5 @@ def create_app(cfg: GatewayConfig) -> Starlette:
             Route("/admin/models/{model}/rollback", admin.rollback, methods=["POST"]),
         ],
         lifespan=lifespan,
+        middleware=[Middleware(HeadLimit)],  # 431 before any route reads a huge head
     )

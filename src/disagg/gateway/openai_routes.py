@@ -25,7 +25,7 @@ from disagg.gateway import openai_api as oa
 from disagg.gateway.auth import KeyStore, RateLimiter
 from disagg.gateway.backend import Piece, TritonBackend
 from disagg.gateway.errors import APIError
-from disagg.gateway.http import StreamCounted, answers_errors, read_json, request_id
+from disagg.gateway.http import StreamCounted, answers_errors, loggable, read_json, request_id
 from disagg.gateway.metrics import GatewayMetrics
 from disagg.gateway.registry import PublicModel, Registry
 
@@ -170,7 +170,8 @@ class OpenAIRoutes:
                 return response
             return await self._complete(call)
         except APIError as e:
-            log.info("request %s: %d %s", call.rid, e.status, e.message)
+            # the message may repeat the client's bad value: bounded, on one line
+            log.info("request %s: %d %s", call.rid, e.status, loggable(e.message))
             self.metrics.error(e.code or e.type)
             return e.response(call.headers)
         except StopAsyncIteration:

@@ -12,6 +12,7 @@ import urllib.request
 from dataclasses import fields
 from pathlib import Path
 
+from disagg.contracts import TOKEN_ENV
 from disagg.settings import ENV_PREFIX, ROOT, ServeSettings
 
 
@@ -25,6 +26,9 @@ class GatewayProcess:
         self.url = f"http://{settings.host}:{settings.gateway_port}"
         self.log_path = settings.path("build_dir") / "gateway.log"
         self.env = {**os.environ, **(env or {}), **settings_env(settings)}
+        # the internal token is the models' (a cluster's serve processes hold it): the gateway
+        # speaks only to the router, which takes none
+        self.env.pop(TOKEN_ENV, None)
         self.env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT / "src")] + ([self.env["PYTHONPATH"]] if self.env.get("PYTHONPATH") else [])
         )

@@ -21,6 +21,7 @@ from pathlib import Path
 from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV, TOKEN_ENV
 from disagg.contracts import internal_token as contracts_internal_token
 from disagg.errors import ConfigError
+from disagg.gateway.auth import KEYS_ENV
 from disagg.serve import procargs, triton_install
 from disagg.serve.render import render_repositories, role_models
 from disagg.serve.supervisor import StubSupervisor
@@ -30,6 +31,10 @@ log = logging.getLogger("disagg.serve")
 # Triton APIs that change or inspect the server beyond inference: behind the admin key.
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
 SHM_BYTES = 64 * 2**20  # Python backend shared memory per stub: KV payloads are tens of MB
+# The gateway's secrets (its API keys, and the admin key its /admin routes check): taken out of
+# tritonserver's environment, which every stub inherits and none reads. Triton gets the admin
+# key on its command line alone (masked there: procargs.py); the stubs keep the internal token.
+GATEWAY_SECRETS = (KEYS_ENV, KEYS_ENV + "_FILE", ADMIN_KEY_ENV)
 
 
 def _stub_shm_regions(session: int) -> list[str]:
@@ -180,6 +185,8 @@ class TritonServer:
             if any(r.iterdir())  # a pool server has no ensembles
         ]  # fmt: skip
         env = triton_install.server_env(install, [ROOT / "src"])
+        for name in GATEWAY_SECRETS:
+            env.pop(name, None)
         env[TOKEN_ENV] = internal_token(s)  # the internal models' token (contracts.py)
         self.log_file = self.log_path.open("w")
         self.proc = subprocess.Popen(

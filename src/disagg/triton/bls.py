@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import collections
 import hmac
-import json
 import os
 import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import triton_python_backend_utils as pb_utils
 
@@ -22,27 +20,25 @@ from disagg import contracts as C
 from disagg.codec.tensors import ACK, FAILURE, encode_ack, encode_failure, raise_for_failure
 from disagg.errors import PoolError, RequestError
 from disagg.process import process_alive
-from disagg.triton.pb import error_response, output_arrays, raise_for_error, tensors
-
-
-def _request_parameters(request: pb_utils.InferenceRequest) -> dict[str, Any]:  # JSON values
-    try:
-        params = json.loads(request.parameters() or "{}")
-    except (ValueError, TypeError):
-        return {}
-    return params if isinstance(params, dict) else {}
+from disagg.triton.pb import (
+    error_response,
+    output_arrays,
+    raise_for_error,
+    request_parameters,
+    tensors,
+)
 
 
 def is_bls_caller(request: pb_utils.InferenceRequest) -> bool:
     """Whether another model of this server sent `request` over BLS (see contracts.py)."""
-    return _request_parameters(request).get(C.CALLER_PARAM) == C.BLS_CALLER
+    return request_parameters(request).get(C.CALLER_PARAM) == C.BLS_CALLER
 
 
 def check_internal(request: pb_utils.InferenceRequest, model: str) -> None:
     """Refuse a request to an internal model that did not come from this server's own BLS
     calls (it carries this server's token; see contracts.py)."""
     token = C.internal_token()
-    given = str(_request_parameters(request).get(C.TOKEN_PARAM, ""))
+    given = str(request_parameters(request).get(C.TOKEN_PARAM, ""))
     if not hmac.compare_digest(given.encode(), token.encode()):
         raise RequestError(
             f"'{model}' is internal to this server's pipeline and takes no requests from "
@@ -72,7 +68,7 @@ class CallerWatch:
     @classmethod
     def of(cls, request: pb_utils.InferenceRequest) -> CallerWatch:
         try:
-            pid = int(_request_parameters(request).get(C.CALLER_PID_PARAM, 0))
+            pid = int(request_parameters(request).get(C.CALLER_PID_PARAM, 0))
         except (TypeError, ValueError):
             pid = 0
         return cls(pid if is_bls_caller(request) else 0)

@@ -50,6 +50,23 @@ def is_decoupled(args: dict[str, str]) -> bool:
 # ------------------------------------------------------------------ reading requests
 
 
+def request_parameters(request: pb_utils.InferenceRequest) -> dict[str, Any]:  # JSON values
+    try:
+        params = json.loads(request.parameters() or "{}")
+    except (ValueError, TypeError):
+        return {}
+    return params if isinstance(params, dict) else {}
+
+
+def client_inputs(
+    request: pb_utils.InferenceRequest, message: codec.Tensors, model: str
+) -> codec.Arrays:
+    """An entry model's inputs among `message`'s, once its parameters are known to be ours
+    alone (codec.tensors.check_parameters: a generate field that is no input arrives as one)."""
+    codec.check_parameters(request_parameters(request), message, model)
+    return input_arrays(request, message.names)
+
+
 def input_array(request: pb_utils.InferenceRequest, name: str) -> codec.Array | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
