@@ -37,5 +37,11 @@ class KVPrefixMissError(PoolError):
     restarted, or another orchestrator's guess): hand the whole prompt's K/V off again."""
 
 
+class RequestCancelledError(PoolError):
+    """Work for a request was stopped because its client went away (or it was cancelled).
+    A PoolError so that a caller that knows no better routes around it; the orchestrator
+    asks the request itself whether it was cancelled and falls back to nothing."""
+
+
 class ConfigError(DisaggError):
     """A setting or an engine directory is invalid; raised at start, never per request."""

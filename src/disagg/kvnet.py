@@ -9,9 +9,8 @@ The orchestrator forwards the reference like any payload; the decode server that
 pulls the bytes straight from the prefill server's `KVServer` (plain TCP, one connection per
 pull) and verifies them as any payload (magic, layout, model fingerprint, CRC32: a failed or
 partial transfer never reaches the cache). A lease ends when its payload is pulled or after
-`ttl_s`. DROP (`drop`) frees one at once; nothing calls it yet: it is there for a later
-cancellation feature, an orchestrator dropping the lease of a request that was cancelled or
-went elsewhere (the TTL frees those today).
+`ttl_s`. DROP (`drop`, `release`) frees one at once: an orchestrator drops the lease of a
+request whose client left before decode pulled it (pipeline/handoff.py `release`).
 
 Wire protocol (little endian), request: b"KVP1" | verb (b"PULL" or b"DROP") | 16-byte handle |
 32-byte sha256 of the internal token. Response: status byte (0 ok, 1 unknown handle, 2 refused)
@@ -31,6 +30,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,9 +84,15 @@ class KVRef:
 class KVLeases:
     """Payloads held for pulling: bounded in bytes, each freed on pull, drop or expiry."""
 
-    def __init__(self, capacity_bytes: int = 2 << 30, ttl_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int = 2 << 30,
+        ttl_s: float = 30.0,
+        on_change: Callable[[int], None] | None = None,
+    ) -> None:
         self.capacity_bytes = capacity_bytes
         self.ttl_s = ttl_s
+        self.on_change = on_change  # called with the bytes held after each change (a gauge)
         self._held: dict[str, tuple[NDArray[Any], float]] = {}
         self._bytes = 0
         self._lock = threading.Lock()
@@ -112,6 +118,7 @@ class KVLeases:
             handle = secrets.token_hex(16)
             self._held[handle] = (data.copy(), time.monotonic() + self.ttl_s)
             self._bytes += data.nbytes
+        self._changed()
         return handle
 
     def take(self, handle: str) -> NDArray[Any] | None:
@@ -119,6 +126,8 @@ class KVLeases:
             entry = self._held.pop(handle, None)
             if entry is not None:
                 self._bytes -= entry[0].nbytes
+        if entry is not None:
+            self._changed()
         return None if entry is None else entry[0]
 
     def drop(self, handle: str) -> bool:
@@ -133,7 +142,12 @@ class KVLeases:
             self.expired += len(old)
         if old:
             log.warning("freed %d KV leases nobody pulled within %.0f s", len(old), self.ttl_s)
+            self._changed()
         return len(old)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self._bytes)
 
 
 class KVServer:
@@ -256,14 +270,23 @@ def pull(
 
 
 def drop(ref: KVRef, token: str, timeout_s: float = 5.0) -> bool:
-    """Free a lease nobody will pull (best effort: the TTL frees it otherwise). Unused yet:
-    for a later cancellation feature (see the module's docstring)."""
+    """Free a lease nobody will pull (best effort: the TTL frees it otherwise)."""
     try:
         conn, _ = _request(ref, b"DROP", token, timeout_s)
-    except KVPayloadError:
+    except KVPayloadError as e:
+        log.info("KV lease %s not dropped: %s", ref.handle[:8], e)
         return False
     conn.close()
     return True
+
+
+def release(payload: NDArray[np.uint8] | bytes | memoryview, token: str) -> bool:
+    """Drop the lease `payload` names, when it is a reference (a payload itself is freed by
+    letting go of it): whether a lease was dropped."""
+    array = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, np.uint8)
+    data = np.ascontiguousarray(array, np.uint8).reshape(-1).data
+    ref = KVRef.parse(data)
+    return ref is not None and drop(ref, token)
 
 
 def advertise_host(bind_host: str) -> str:

@@ -116,6 +116,19 @@ KV_PREFIX_MISSES = _m(
     "handed off again with the whole prompt's K/V",
     ("model",),
 )
+KV_LEASED_BYTES = _m(
+    "disagg_kv_leased_bytes",
+    GAUGE,
+    "KV payload bytes a prefill instance holds for decode servers to pull (kvnet.py): freed "
+    "on pull, on a drop (the client left first) or after kv_lease_s",
+    ("instance",),
+)
+PREFILL_CANCELLED = _m(
+    "disagg_prefill_cancelled_total",
+    COUNTER,
+    "Prefills stopped before their end because the request's client went away",
+    ("instance",),
+)
 DECISIONS = _m(
     "disagg_conditional_decisions_total",
     COUNTER,

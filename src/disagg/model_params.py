@@ -48,6 +48,7 @@ class PrefillParams(TrtllmPrefillParams):
     kv_port: int
     kv_lease_mb: int
     prefix_cache_tokens: int
+    run_dir: str  # the cancel registry (cancel.py): a prefill stops when its request is marked
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -112,6 +113,7 @@ class OrchestratorParams:
     prefill_instances: int
     orchestrator_max_concurrency: int
     migration_limit: int
+    decode_recover_s: float
     prefix_cache_tokens: int  # the pools' own budget: how much of them the locality mirrors
     decode_instances: int  # more than one: which instance holds a prompt is not known here
 

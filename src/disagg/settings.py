@@ -99,6 +99,9 @@ class ServeSettings:
     prefill_torch_threads: int = 0  # 0: torch's default (all cores)
     decode_torch_threads: int = 0
     prefill_timeout_s: float = 60.0  # then the request falls back to decode's own prefill
+    # a request whose decode failed waits this long for a decode to take it again (another
+    # instance, the restarted one, a replica), then fails; 0: at once (docs/reliability.md)
+    decode_recover_s: float = 30.0
     orchestrator_max_concurrency: int = 64  # requests the orchestrator (and router) serve at once
     served_model_name: str = "smollm2-135m-instruct"  # the public name routing rules match
     # ---------------------------------------------------------------- tensorrt_llm
@@ -120,7 +123,8 @@ class ServeSettings:
     # seconds); "" = the pool runs in this server
     prefill_replicas: str = ""
     decode_replicas: str = ""
-    # times a request moves to another decode replica when its own fails mid-stream
+    # times a request is continued by another decode (replica, instance, or the restarted
+    # one) when its own fails mid-stream
     migration_limit: int = 2
     kv_port: int = 0  # where a prefill server serves KV payloads (0: any free port)
     kv_lease_s: float = 30.0  # a payload no decode server pulled is freed after this

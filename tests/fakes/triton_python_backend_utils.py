@@ -86,6 +86,7 @@ class InferenceRequest:
         self._request_id = kw.get("request_id", "")
         self.timeout = kw.get("timeout")
         self.sender = ResponseSender()
+        self.cancelled = False  # set by a test: Triton cancelled it (a gRPC call cancelled)
 
     def parameters(self) -> str:
         return json.dumps(self._parameters)
@@ -98,6 +99,9 @@ class InferenceRequest:
 
     def get_response_sender(self) -> ResponseSender:
         return self.sender
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
 
     def exec(self, decoupled: bool = False):
         type(self).last = self

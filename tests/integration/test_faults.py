@@ -30,7 +30,9 @@ ADMIN = "test-admin-key"
 KEY = "sk-test-faults"
 MODEL = "smollm2-135m-instruct"
 LONG = {C.TEXT_INPUT: "Tell me a long story.", C.MAX_TOKENS: 300, C.IGNORE_EOS: True}
-HUNG_S = 60  # a request that has not ended this long after the fault counts as hung
+# a request that has not ended this long after the fault counts as hung (a decode crash
+# is waited out: the restart, then the rest of every reply, on two busy cores)
+HUNG_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -153,19 +155,18 @@ def _kill_under_load(server, calls: dict, victim: int) -> tuple[Outcomes, float]
     return out, killed
 
 
-def test_a_decode_crash_under_load_ends_every_request_on_every_entry_point(stack):
+def test_a_decode_crash_under_load_loses_no_request_on_any_entry_point(stack):
+    """The orchestrator holds every request while the supervisor restarts decode, then the
+    new decode continues each (pipeline/recovery.py; greedy equality: test_decode_recovery)."""
     server, gateway = stack
     calls = _long_requests(server, gateway)
     (decode,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "decode"]
     region = _stub_table(server)[decode][1]
-    out, killed = _kill_under_load(server, calls, decode)
+    out, _ = _kill_under_load(server, calls, decode)
     counts = out.counts(calls)
-    assert counts == {"completed": 0, "error": len(calls), "unclear": 0, "hung": 0}, out.got
-    for name, (_, detail, ended) in out.got.items():
-        assert ended - killed < 5, f"{name} ended {ended - killed:.1f} s after the crash"
-        assert re.search(r"decode worker \d+ died|unavailable", detail), (name, detail)
+    assert counts == {"completed": len(calls), "error": 0, "unclear": 0, "hung": 0}, out.got
 
-    # the supervisor brings decode back; every door serves again; nothing is left counted
+    # every door serves new requests; nothing is left counted
     _serves_again(server)
     assert scrape(gateway.url + "/metrics", "disagg_gateway_inflight_requests") == 0
     metric_becomes(server, "disagg_decode_active_sequences", 0.0)

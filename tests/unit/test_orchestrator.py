@@ -106,8 +106,8 @@ def test_client_cancel_reaches_decode(tokenizer, args):
     ids = tokenizer.encode(" a b c d e f")
     decode = ScriptedDecode(ids[1:])
     final = orchestrator(tokenizer, args, ScriptedPrefill(ids[0]), decode).run(
-        request(tokenizer), lambda r: None, is_cancelled=lambda: True
-    )
+        request(tokenizer), lambda r: None, is_cancelled=lambda: bool(decode.calls)
+    )  # (cancelled once decode has it; before: tests/unit/test_prefill_cancel.py)
     assert final.finish_reason == "abort" and decode.cancelled == ["rid"]
 
 

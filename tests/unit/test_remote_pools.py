@@ -49,10 +49,10 @@ def test_a_replicas_error_keeps_its_kind():
 
 def test_a_prefill_call_to_another_server_carries_the_skip():
     class Client:
-        def infer(self, model, inputs, **kwargs):
+        def async_infer(self, model, inputs, callback, **kwargs):
             self.sent = {t.name(): t for t in inputs}
             arrays = PrefillResponse.encode(5, 1, np.zeros(4, np.uint8), 9, 1, 1, 0, kv_start=32)
-            return type("Result", (), {"as_numpy": staticmethod(arrays.get)})()
+            callback(type("Result", (), {"as_numpy": staticmethod(arrays.get)})(), None)
 
     pool, client = pools.GrpcPrefillPool("a:1"), Client()
     pool.clients.get = lambda address: client

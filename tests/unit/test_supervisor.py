@@ -39,14 +39,22 @@ class Scripted(sup.StubSupervisor):
         self.reloaded.append(model)
 
 
-def test_a_dead_stub_of_a_ready_model_is_restarted_after_two_checks(monkeypatch):
+def test_a_stub_that_dies_is_restarted_at_the_next_check(monkeypatch):
     s = Scripted(monkeypatch)
     s.ready, s.live = {"decode", "ensemble"}, Counter(decode=2)
     s.check()
     assert s.expected == Counter(decode=2)  # ensembles have no stub and are not tracked
-    s.live = Counter(decode=1)
+    s.live = Counter(decode=1)  # one fewer than a second ago: a death, not a load
     s.check()
-    assert s.reloaded == []  # one short check may be a reload in progress
+    assert s.reloaded == ["decode"]
+
+
+def test_a_model_short_of_stubs_from_the_start_is_restarted_after_two_checks(monkeypatch):
+    s = Scripted(monkeypatch, instances={"decode": 2})
+    s.ready, s.live = {"decode"}, Counter(decode=1)
+    s.check()
+    s.check()
+    assert s.reloaded == []  # one short check may be a load in progress
     s.check()
     assert s.reloaded == ["decode"]
 
@@ -81,7 +89,7 @@ def test_a_reload_that_brings_every_stub_back_ends_the_recovery(monkeypatch):
     s.live = Counter()
     s.check(now=1)
     s.check(now=2)
-    assert s.recovering == {"decode": 62.0}
+    assert s.recovering == {"decode": 61.0}  # from the check that saw it gone
     s.ready = set()  # unloading, then LOADING: not an operator's unload, still ours
     s.check(now=3)
     assert "decode" in s.expected and s.reloaded == ["decode"]
@@ -100,7 +108,7 @@ def test_a_wedged_reload_restarts_the_server_once(monkeypatch):
     s.check(now=2)
     s.ready = {"prefill"}  # decode stays LOADING: its new stub hangs in its start
     s.check(now=61)
-    assert s.wedged_calls == [] and s.wedged is None  # 59 s in: still waiting
+    assert s.wedged_calls == [] and s.wedged is None  # 60 s in: still waiting
     s.check(now=63)
     assert s.wedged_calls == ["decode"] and s.wedged == "decode"
     s.check(now=70)

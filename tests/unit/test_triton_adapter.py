@@ -188,12 +188,17 @@ def test_decode_pool_reads_what_the_decode_models_sink_sends(t, tmp_path):
     sink.send([7], "length")
     t.u.InferenceRequest.script = [response for response, _ in caller.sender.sent]
     pool = t.pools.BlsDecodePool("decode", CancelRegistry(tmp_path), liveness_check_s=0.05)
-    steps = list(pool.generate("r1", SamplingParams(), prompt_ids=[1, 2]))
+    stream = pool.generate("r1", SamplingParams(), prompt_ids=[1, 2])
+    steps = [next(stream)]
+    pool.cancel("r1")  # while it streams (a stop string, the client gone)
+    assert CancelRegistry(tmp_path).is_marked("r1.abc")  # the orchestrator's ids extend it
+    steps += list(stream)
     assert [s.token_ids for s in steps] == [[], [5, 6], [7]]
     assert steps[-1].finish_reason == "length" and {s.worker_pid for s in steps} == {55}
     assert caller.sender.sent[-1][1] == t.u.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-    pool.cancel("r1")
-    assert CancelRegistry(tmp_path).is_marked("r1.abc")  # the orchestrator's ids extend it
+    CancelRegistry(tmp_path).clear("r1")
+    pool.cancel("r1")  # the stream has ended (or decode failed it): nothing to stop
+    assert not CancelRegistry(tmp_path).is_marked("r1")
 
 
 def test_a_sink_reports_decode_load_only_to_callers_that_ask(t):

@@ -83,7 +83,8 @@ def test_prefill_is_a_context_only_request_and_decode_a_generation_only_one(trt)
     params = SamplingParams(max_tokens=6, temperature=0.0, seed=11)
     result, handoff = prefill.prefill("r1", [5, 6, 7], params)
     kind, prompt, sp, dp = prefill_llm.calls[-1]
-    assert (kind, dp.request_type, sp.max_tokens, sp.seed) == ("generate", "context_only", 1, 11)
+    assert kind == "generate_async"  # abortable: tests/unit/test_prefill_cancel.py
+    assert (dp.request_type, sp.max_tokens, sp.seed) == ("context_only", 1, 11)
     wire = payload.to_bytes(handoff)  # what the orchestrator forwards, unparsed
     assert len(wire) < 512
     decode.add_request(
@@ -215,9 +216,11 @@ def test_penalties_and_min_tokens_go_down_by_their_names(trt):
 
 
 def test_prefill_draws_no_progress_bar(trt):
+    # generate() draws one per call on the server's stderr unless use_tqdm=False;
+    # generate_async (abortable: tests/unit/test_prefill_cancel.py) draws none
     prefill, _, prefill_llm, _ = engines(trt)
     prefill.prefill("r1", [1, 2, 3], SamplingParams(max_tokens=3))
-    assert prefill_llm.last_use_tqdm is False
+    assert [c[0] for c in prefill_llm.calls] == ["generate_async"]
 
 
 def test_a_timed_out_request_ends_as_aborted(trt):

@@ -41,13 +41,14 @@ class TritonPythonModel:
             self.tokenizer,
             load_model_args(p.engine_dir),
             p.engine_config(),
-            prefill_pool=self._prefill_pool(p),
+            prefill_pool=self._prefill_pool(p, cancels),
             decode_pool=self._decode_pool(p, cancels),
             mode=p.mode,
             events=metrics,
             cost_model=CostModel(cost),
-            # a failed replica is replaced by another; a pool of this server is restarted
-            migration_limit=p.migration_limit if p.decode_replicas else 0,
+            # a failed decode is continued by another replica or instance, or the restarted one
+            migration_limit=p.migration_limit,
+            decode_recover_s=p.decode_recover_s,
             # where this server's pools left each prompt's K/V (pools elsewhere choose their
             # replicas by load: which one holds a prompt is not known here; nor which of
             # several decode instances Triton hands a request to)
@@ -70,14 +71,17 @@ class TritonPythonModel:
                 reply, BATCHED, requested
             ),
             on_error=lambda kind: metrics.error("request", kind),
+            cancels=cancels,  # a cancel mark on its caller's id (the router's) cancels it
         )
 
     @staticmethod
-    def _prefill_pool(p: OrchestratorParams):
+    def _prefill_pool(p: OrchestratorParams, cancels: CancelRegistry):
         if p.prefill_replicas:  # on other servers, over gRPC
             from disagg.remote.pools import GrpcPrefillPool
 
-            return GrpcPrefillPool(p.prefill_replicas, timeout_s=p.prefill_timeout_s)
+            return GrpcPrefillPool(
+                p.prefill_replicas, timeout_s=p.prefill_timeout_s, cancels=cancels
+            )
         return pools.BlsPrefillPool(p.prefill_model, p.prefill_timeout_s)
 
     @staticmethod

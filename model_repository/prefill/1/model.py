@@ -6,13 +6,16 @@ moves through TensorRT-LLM's cache transceiver)."""
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
+from disagg.cancel import CancelRegistry
 from disagg.engine.llm_engine import PrefillEngine
 from disagg.engine.model import Llama
 from disagg.engine.sequence import SamplingParams
 from disagg.engine.tokenizer import Tokenizer
+from disagg.errors import RequestCancelledError
 from disagg.model_params import PrefillParams
 from disagg.triton import bls, pb, pb_metrics, prefill_side
 
@@ -22,6 +25,8 @@ class TritonPythonModel:
         pb.configure_logging()
         p = pb.model_parameters(args).typed(PrefillParams)
         self.pid = os.getpid()
+        self.cancels = CancelRegistry(Path(p.run_dir) / "cancel")
+        self.metrics = pb_metrics.PrefillMetrics(args["model_instance_name"])
         self.trtllm = None
         if p.engine_backend == "tensorrt_llm":
             from disagg.trtllm.runtime import prefill_engine
@@ -41,7 +46,9 @@ class TritonPythonModel:
         self.engine.prefill("warm-up", [1, 2, 3, 4], SamplingParams(max_tokens=1))
         self.prefix_metrics = pb_metrics.PrefixCacheMetrics("prefill", args["model_instance_name"])
         # decode on other servers: payloads are leased here and pulled by them (kvnet.py)
-        self.kv = prefill_side.KVLeaseServer.start(p, args) if p.kv_pull else None
+        self.kv = None
+        if p.kv_pull:
+            self.kv = prefill_side.KVLeaseServer.start(p, args, self.metrics.leased_bytes)
 
     def finalize(self):
         if getattr(self, "kv", None) is not None:
@@ -65,14 +72,17 @@ class TritonPythonModel:
             prompt, params = call.prompt_ids, call.params
             start, start_wall_ns = time.perf_counter(), time.time_ns()
             rid = request.request_id()
+            # the client left: over BLS the router marks it (cancel.py); over gRPC (a
+            # frontend elsewhere) the call's cancellation reaches this request
+            cancelled = prefill_side.cancel_check(request, self.cancels)
             kv_start = 0  # TensorRT-LLM's payload names the whole prompt's K/V (its skip: 0)
             if self.trtllm is not None:
                 from disagg.trtllm.payload import to_bytes
 
-                result, handoff = self.trtllm.prefill(rid, prompt, params)
+                result, handoff = self.trtllm.prefill(rid, prompt, params, cancelled)
                 payload = np.frombuffer(to_bytes(handoff), np.uint8)
             else:
-                result = self.engine.prefill(rid, prompt, params, call.skip_tokens)
+                result = self.engine.prefill(rid, prompt, params, call.skip_tokens, cancelled)
                 kv_start = result.kv.start
                 if self.engine.kv_reuse is not None:
                     self.prefix_metrics.update(self.engine.kv_reuse.index.stats)
@@ -84,5 +94,8 @@ class TritonPythonModel:
             return prefill_side.prefill_response(
                 result, payload, self.pid, compute_us, start_wall_ns, kv_start
             )
+        except RequestCancelledError as e:  # its client left: the worker takes the next one
+            self.metrics.prefill_cancelled()
+            return pb.error_response(e)
         except Exception as e:
             return pb.error_response(e)

@@ -26,12 +26,14 @@ class TritonPythonModel:
         pb.configure_logging()
         p = pb.model_parameters(args).typed(RouterParams)
         self.decoupled = pb.is_decoupled(args)
+        self.model_name = args["model_name"]  # router or router_sync
         self.tokenizer = Tokenizer(p.engine_dir)
         self.default_model = p.served_model_name
         self.max_tokens_default = p.max_tokens_default
+        cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.router = Router(
             PolicySource(p.router_policy),  # an invalid policy fails the model load, loudly
-            local_pipeline.BlsLocalPipeline(CancelRegistry(Path(p.run_dir) / "cancel")),
+            local_pipeline.BlsLocalPipeline(cancels),
             count_tokens=lambda text: len(self.tokenizer.encode(text)),
             events=pb_metrics.RouterMetrics(),
         )
@@ -43,10 +45,14 @@ class TritonPythonModel:
             respond=lambda reply, requested=frozenset(): pb.routed_response(
                 reply, BATCHED, requested
             ),
+            # a client that leaves is marked at once, mid-prefill too (cancel.CancelWatch)
+            cancels=cancels,
         )
 
     def _parse(self, request):
-        fields = RouterRequest.decode(pb.input_arrays(request, RouterRequest.TENSORS.names))
+        fields = RouterRequest.decode(
+            pb.client_inputs(request, RouterRequest.TENSORS, self.model_name)
+        )
         if not self.decoupled:
             fields[C.STREAM] = False
         return build_route_request(

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from disagg.engine import fused_decode, quant
 from disagg.engine.config import ACTIVATIONS, WEIGHTS_FILE, ModelArgs, load_model_args
+from disagg.engine.interrupt import Stop, until_stopped
 from disagg.engine.kernels import (
     CPU,
     HAS_ONEDNN,
@@ -280,11 +281,12 @@ class Llama:
         token_ids: list[int],
         all_logits: bool = False,
         kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        stop: Stop = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run a whole prompt. Returns logits ([V], or [S, V] with `all_logits`) and the
         prompt's K/V, each [L, H_kv, S, D]. With `kv_out` (two [L, H_kv, >=S, D] buffers)
         K/V are written there and views of them returned: a server reuses the buffers
-        instead of faulting in tens of MB of fresh pages per long prompt."""
+        instead of faulting in tens of MB of fresh pages per long prompt (`stop`: interrupt.py)."""
         a = self.args
         s = len(token_ids)
         cos, sin = self.cos[:s, None, :], self.sin[:s, None, :]  # [S, 1, D]
@@ -294,7 +296,7 @@ class Llama:
         else:
             k_out, v_out = kv_out[0][:, :, :s], kv_out[1][:, :, :s]
         x = self.embed[torch.tensor(token_ids, device=self.device)]  # [S, dim]
-        for i, layer in enumerate(self.layers):
+        for i, layer in until_stopped(self.layers, stop):
             q, k, v = self._qkv(layer, x, cos, sin)
             k_out[i], v_out[i] = k.transpose(0, 1), v.transpose(0, 1)
             o = F.scaled_dot_product_attention(
@@ -313,7 +315,7 @@ class Llama:
 
     @torch.inference_mode()
     def prefill_chunk(
-        self, token_ids: list[int], start: int, cache: KVCacheSlots, slot: int
+        self, token_ids: list[int], start: int, cache: KVCacheSlots, slot: int, stop: Stop = None
     ) -> torch.Tensor:
         """Prefill prompt positions start..start+n-1 of the sequence in `slot`, whose
         positions 0..start-1 are already in the cache: the chunk's K/V go into the cache and
@@ -327,7 +329,7 @@ class Llama:
         # query j (position start + j) sees positions 0 .. start + j
         visible = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         x = self.embed[torch.tensor(token_ids, device=self.device)]  # [n, dim]
-        for i, layer in enumerate(self.layers):
+        for i, layer in until_stopped(self.layers, stop):
             q, k, v = self._qkv(layer, x, cos, sin)
             cache.k[i][slot, :, start:end] = k.transpose(0, 1)
             cache.v[i][slot, :, start:end] = v.transpose(0, 1)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from disagg import contracts as C
+
 
 def skip_tokens(num_cached_on_decode: int, num_prompt_tokens: int, block_size: int) -> int:
     """Leading prompt tokens a hand-off leaves out: whole blocks decode holds, and never the
@@ -40,3 +42,12 @@ def kv_path(payload: npt.NDArray[np.uint8]) -> tuple[str, int]:
     if is_trtllm_payload(data):
         return "trtllm", data.nbytes
     return "shm", data.nbytes
+
+
+def release(payload: npt.NDArray[np.uint8]) -> bool:
+    """Free a hand-off nobody will decode (its client left): a lease on a prefill server is
+    dropped at once rather than after its TTL (whether one was); a payload passed within
+    one server is freed when its last reference goes, which the caller lets go of."""
+    from disagg.kvnet import release as drop_lease
+
+    return drop_lease(payload, C.internal_token())

@@ -40,6 +40,7 @@ from disagg.errors import KVPrefixMissError, PoolError
 from disagg.pipeline.conditional import CostModel, Load, LoadTracker
 from disagg.pipeline.handoff import kv_path, skip_tokens
 from disagg.pipeline.prefix_locality import DECODE, PREFILL, PrefixLocality
+from disagg.pipeline.recovery import DecodeRecovery
 from disagg.pipeline.request import GenerateRequest, RequestRun
 
 log = logging.getLogger("disagg.orchestrator")
@@ -113,11 +114,14 @@ class Orchestrator:
         cost_model: CostModel | None = None,
         migration_limit: int = 0,
         locality: PrefixLocality | None = None,
+        decode_recover_s: float = 0.0,
     ) -> None:
-        """`migration_limit`: how many times a request whose decode replica failed mid-stream
-        moves to another (which prefills the prompt plus the tokens already sent and goes on);
-        0 for a pool of this server, where a failed decode is restarted, not replaced.
-        `locality`: where the pools probably hold each prompt's K/V (conditional mode)."""
+        """`migration_limit`: how many times a request whose decode failed mid-stream is
+        continued by another decode (another instance or replica, or the restarted one), which
+        prefills the prompt plus the tokens already sent and goes on. `decode_recover_s`: how
+        long, after a failure, decode may refuse the request (restarting, no replica up)
+        before it fails; 0: at once. `locality`: where the pools probably hold each prompt's
+        K/V (conditional mode)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.tokenizer = tokenizer
@@ -129,6 +133,8 @@ class Orchestrator:
         self.events = events or OrchestratorEvents()
         self.cost_model = cost_model or CostModel()
         self.migration_limit = migration_limit
+        self.decode_recover_s = decode_recover_s
+        self.recover_poll_s = 0.25  # between tries while decode refuses a request
         self.locality = locality
         self.load = LoadTracker(on_change=self.events.load)
         self.eos = {tokenizer.eos_token_id} - {None}
@@ -148,6 +154,8 @@ class Orchestrator:
         self.check_request(req)
         run = RequestRun(req, TextStream(self.tokenizer, req.params.stop), emit, is_cancelled)
         run.handoff = self._prefill(run)
+        if run.is_cancelled():  # the client left during prefill: decode gets nothing
+            return run.abandon()
         if run.handoff is not None:
             self._token_times(run)
             self._add_tokens(run, [run.handoff.first_token])
@@ -177,29 +185,34 @@ class Orchestrator:
             self.locality.record(PREFILL, prompt, params.cache_salt)
 
     def _decode_migrating(self, run: RequestRun) -> str:
-        """Decode, moving to another decode replica when one fails (up to migration_limit):
-        the next one prefills the prompt plus every token already produced and continues, so
-        the client's stream goes on with no text repeated or lost (greedy replies equal an
-        undisturbed run's). A KV payload that could not be pulled migrates the same way."""
-        req = run.request
-        for attempt in range(self.migration_limit + 1):
+        """Decode, continued by another decode when it fails (pipeline/recovery.py): the
+        next one prefills the prompt plus every token already produced and goes on, so the
+        client's stream continues with no text repeated or lost (greedy replies equal an
+        undisturbed run's). A KV payload that could not be pulled continues the same way."""
+        recovery = DecodeRecovery(
+            self.migration_limit, self.decode_recover_s, run.is_cancelled, self.recover_poll_s
+        )
+        while True:
             try:
                 return self._decode_resending(run)
             except PoolError as e:
-                last = attempt == self.migration_limit
-                if last or run.is_cancelled() or run.text.stopped:
+                serving = bool(run.decode_pid)  # decode had acknowledged it: a fault
+                if run.text.stopped or not recovery.may_retry(serving):
                     self.events.error("decode", "pool")
+                    if recovery.expired:
+                        raise recovery.error(e) from e
                     raise
-                left = req.params.max_tokens - run.num_output_tokens
+                left = run.request.params.max_tokens - run.num_output_tokens
                 if left <= 0:
                     return FinishReason.LENGTH.value
-                log.warning(
-                    "request %s: %s; moving it to another decode replica after %d tokens",
-                    req.request_id, e, run.num_output_tokens,
-                )  # fmt: skip
-                self.events.error("decode", "migrated")
+                if serving:
+                    log.warning(
+                        "request %s: %s; another decode continues it after %d tokens",
+                        run.request.request_id, e, run.num_output_tokens,
+                    )  # fmt: skip
+                    self.events.error("decode", "migrated")
+                run.decode_pid = 0
                 self._continue_from_tokens(run, left)
-        raise AssertionError("unreachable")
 
     def _continue_from_tokens(self, run: RequestRun, left: int) -> None:
         """Decode goes on by prefilling the prompt plus every token already sent (under a
@@ -355,10 +368,11 @@ class Orchestrator:
         try:
             handoff = self.prefill_pool.prefill(req.request_id, req.prompt_ids, req.params, skip)
         except PoolError as e:
-            log.warning(
-                "request %s: prefill pool failed (%s); decode prefills it", req.request_id, e
-            )
-            self.events.error("prefill", "pool")
+            if not run.is_cancelled():  # (stopped because its client left: not a pool failure)
+                log.warning(
+                    "request %s: prefill pool failed (%s); decode prefills it", req.request_id, e
+                )
+                self.events.error("prefill", "pool")
             run.served_by = FALLBACK
             return None
         finally:

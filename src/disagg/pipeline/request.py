@@ -13,9 +13,10 @@ from typing import Any
 from disagg import contracts as C
 from disagg.codec.generate import EXCLUDE_INPUT_DEFAULT, GenerationFields
 from disagg.contracts import Handoff, Reply
-from disagg.engine.sequence import SamplingParams
+from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.engine.tokenizer import TextStream, Tokenizer
 from disagg.errors import RequestError
+from disagg.pipeline.handoff import release
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,14 @@ class RequestRun:
     def delta(self, text: str) -> Reply:
         """A streamed response carrying `text`."""
         return Reply(text, self.num_input_tokens, self.num_output_tokens)
+
+    def abandon(self) -> Reply:
+        """The client left before decode began: the hand-off is freed now (handoff.release)
+        and the request ends as aborted, with nothing sent to decode."""
+        if self.handoff is not None:
+            release(self.handoff.kv_payload)
+            self.handoff = None
+        return self.final_reply(FinishReason.ABORT.value)
 
     def final_reply(self, finish_reason: str) -> Reply:
         """The last response: the rest of the text while streaming, else the whole reply

@@ -27,11 +27,12 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from disagg import contracts as C
+from disagg.cancel import CancelRegistry
 from disagg.codec.pools import DecodeCall, DecodeStepResponse, PrefillCall, PrefillResponse
 from disagg.codec.tensors import Arrays, gather, raise_for_failure, triton_dtype
 from disagg.contracts import DecodeStep, Handoff
 from disagg.engine.sequence import SamplingParams
-from disagg.errors import PoolError
+from disagg.errors import PoolError, RequestCancelledError
 from disagg.remote.replicas import Replica, ReplicaSet
 
 log = logging.getLogger("disagg.remote")
@@ -101,12 +102,24 @@ class ClientCache:
 
 
 class GrpcPrefillPool:
+    """With `cancels`, a call whose request is marked cancelled there (its client left) is
+    cancelled in gRPC, which Triton passes to the prefill model: it stops at its next layer
+    (engine/prefill_engine.py) and takes the next request."""
+
     def __init__(
-        self, replicas: str, model: str = "prefill", timeout_s: float = 60.0, tries: int = 2
+        self,
+        replicas: str,
+        model: str = "prefill",
+        timeout_s: float = 60.0,
+        tries: int = 2,
+        cancels: CancelRegistry | None = None,
+        cancel_poll_s: float = 0.02,
     ) -> None:
         self.model = model
         self.timeout_s = timeout_s
         self.tries = tries
+        self.cancels = cancels
+        self.cancel_poll_s = cancel_poll_s
         self.clients = ClientCache()
         self.replicas = ReplicaSet(replicas, probe=lambda a: self.clients.probe(a, model))
 
@@ -139,14 +152,30 @@ class GrpcPrefillPool:
         skip_tokens: int,
     ) -> Handoff:
         names = PrefillResponse.TENSORS.names
-        result = self.clients.get(replica.address).infer(
+        done: queue.Queue[tuple[Any, InferenceServerException | None]] = queue.Queue()
+        call = self.clients.get(replica.address).async_infer(
             self.model,
             grpc_inputs(PrefillCall.encode(prompt_ids, params, skip_tokens)),
+            callback=lambda result, error: done.put((result, error)),
             outputs=[grpcclient.InferRequestedOutput(n) for n in names],
             request_id=request_id,
             client_timeout=self.timeout_s,
             parameters=remote_parameters(),
         )
+        while True:
+            try:
+                result, error = done.get(timeout=self.cancel_poll_s)
+                break
+            except queue.Empty:
+                if self.cancels is not None and self.cancels.is_marked(request_id):
+                    # a lease the prefill made as this was cancelled is lost with its reply
+                    # (a window of milliseconds): the lease's TTL frees that one
+                    call.cancel()
+                    raise RequestCancelledError(
+                        f"prefill at {replica.address} cancelled: the client went away"
+                    ) from None
+        if error is not None:
+            raise error
         return PrefillResponse.decode(_arrays(result, names))
 
 

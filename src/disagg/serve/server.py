@@ -153,6 +153,10 @@ class TritonServer:
             "--allow-gpu-metrics=false",
             "--allow-cpu-metrics=true",
             "--model-control-mode=explicit",
+            # our configs are complete; with auto-complete on, the Python backend starts a
+            # stub per model load just to ask model.py for a config (torch and all imported:
+            # ~3 s of every restart after a crash, docs/reliability.md)
+            "--disable-auto-complete-config",
             "--load-model=*",
             "--strict-readiness=true",
             "--exit-on-error=true",

@@ -3,8 +3,9 @@
 Triton 2.51 marks a dead stub "not healthy" and fails every later request to that model
 instance; it does not start a new one, and the model still reports READY. The supervisor
 counts each READY model's stub processes (children of tritonserver) against the instances
-its config asks for and, when a model has had fewer for two checks in a row, reloads it
-through the repository API, which starts fresh stubs. A model an operator unloaded is not
+its config asks for and, when a model has fewer than at the last check (a stub died) or has
+had fewer than asked for two checks in a row, reloads it through the repository API, which
+starts fresh stubs. A model an operator unloaded is not
 READY, so it is left alone (and counted afresh once it is loaded again).
 
 A reload can wedge: seen once in nine decode kills, the new stub hung in its start and the
@@ -98,6 +99,7 @@ class StubSupervisor:
         self.num_restarts = 0
         self.wedged: str | None = None  # the model whose reload did not finish in time
         self._short: Counter[str] = Counter()  # checks in a row a model has been short of stubs
+        self._last_live: Counter[str] = Counter()  # each model's stubs at the last check
         self._regions: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="stub-supervisor", daemon=True)
@@ -133,6 +135,8 @@ class StubSupervisor:
     def check(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         live = stub_models(self.server_pid)
+        dropped = {m for m in live | self._last_live if live[m] < self._last_live[m]}
+        self._last_live = live
         self._check_recovering(live, now)
         if self.wedged is not None:
             return
@@ -151,7 +155,9 @@ class StubSupervisor:
                 continue
             if live[model] < self.expected[model]:
                 self._short[model] += 1
-                if self._short[model] >= 2:  # one short check may be a load in progress
+                # one short check may be a load in progress; a stub gone since the last check
+                # is a death: restart at once (requests wait for it: pipeline/recovery.py)
+                if self._short[model] >= 2 or model in dropped:
                     self._short.pop(model)
                     self.recovering[model] = now + self.recover_timeout_s
                     self._start_reload(model)

@@ -241,6 +241,20 @@ class PrefixCacheMetrics:
         self.last = dataclasses.replace(stats)
 
 
+class PrefillMetrics:
+    """A prefill instance's cancelled prefills and leased KV bytes (triton/prefill_side.py)."""
+
+    def __init__(self, instance: str) -> None:
+        self.cancelled = Family(M.PREFILL_CANCELLED, instance=instance)
+        self.leased = Family(M.KV_LEASED_BYTES, instance=instance)
+
+    def prefill_cancelled(self) -> None:
+        self.cancelled.inc()
+
+    def leased_bytes(self, num_bytes: int) -> None:
+        self.leased.set(float(num_bytes))
+
+
 class ReplicaMetrics:
     """The orchestrator's remote pools, per replica, refreshed every `interval_s` from their
     ReplicaSets (which count as requests come and go)."""

@@ -56,6 +56,11 @@ class BlsDecodePool:
         self.model_name = model_name
         self.cancels = cancels
         self.liveness_check_s = liveness_check_s
+        # ids of the streams open now: only those are cancelled. A stream decode ended (a
+        # failure, its death) has nothing to stop, and a first call carries the request's own
+        # id, which the orchestrator's runner reads as "the client left" (runner.py): marked,
+        # it would end a request that decode recovery is about to continue.
+        self._open: set[str] = set()  # (one thread per request id: add/discard are atomic)
 
     def generate(
         self,
@@ -73,11 +78,16 @@ class BlsDecodePool:
             parameters=BLS_PARAMETERS,
         )
         names = DecodeStepResponse.TENSORS.names
-        for response in bls_stream(req, "decode", self.liveness_check_s):
-            arrays = output_arrays(response, names)
-            if not arrays:  # the empty response that carries FINAL
-                continue
-            yield DecodeStepResponse.decode(arrays)
+        self._open.add(request_id)
+        try:
+            for response in bls_stream(req, "decode", self.liveness_check_s):
+                arrays = output_arrays(response, names)
+                if not arrays:  # the empty response that carries FINAL
+                    continue
+                yield DecodeStepResponse.decode(arrays)
+        finally:  # (also when the failure propagates: before the caller sees it)
+            self._open.discard(request_id)
 
     def cancel(self, request_id: str) -> None:
-        self.cancels.mark(request_id)
+        if request_id in self._open:
+            self.cancels.mark(request_id)

@@ -4,6 +4,7 @@ to pull. Only the prefill model imports this."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -11,6 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as C
 from disagg import kvnet
+from disagg.cancel import CancelRegistry, Throttled
 from disagg.codec.pools import PrefillCall, PrefillInput, PrefillResponse
 from disagg.codec.tensors import Array
 from disagg.kvnet import KVLeases, KVRef, KVServer
@@ -23,6 +25,17 @@ if TYPE_CHECKING:
 def read_prefill_call(request: pb_utils.InferenceRequest) -> PrefillInput:
     """The prompt ids, sampling parameters and skip of an orchestrator's prefill call."""
     return PrefillCall.decode(input_arrays(request, PrefillCall.TENSORS.names))
+
+
+def cancel_check(
+    request: pb_utils.InferenceRequest, cancels: CancelRegistry, interval_s: float = 0.01
+) -> Callable[[], bool]:
+    """Whether the prefill of `request` should stop: Triton cancelled it (a gRPC caller's
+    call was cancelled) or its id is marked in `cancels` (a BLS caller cannot cancel its
+    call in Triton 2.51; the router marks its own id, which this one extends). Each answer
+    costs an IPC or a stat, so it is asked at most every `interval_s`."""
+    rid = request.request_id()
+    return Throttled(lambda: bool(request.is_cancelled()) or cancels.is_marked(rid), interval_s)
 
 
 def prefill_response(
@@ -47,12 +60,18 @@ class KVLeaseServer:
         self.advertise = advertise
 
     @classmethod
-    def start(cls, p: PrefillParams, args: dict[str, Any]) -> KVLeaseServer:
+    def start(
+        cls,
+        p: PrefillParams,
+        args: dict[str, Any],
+        on_change: Callable[[int], None] | None = None,
+    ) -> KVLeaseServer:
+        """`on_change`: told the bytes held after each lease, pull, drop or expiry."""
         # instance i of the pool takes kv_port + i (0: any free port, named in the reference)
         tail = str(args.get("model_instance_name", "")).rsplit("_", 1)[-1]  # prefill_0_<i>
         index = int(tail) if tail.isdigit() else 0
         port = p.kv_port + index if p.kv_port else 0
-        leases = KVLeases(capacity_bytes=p.kv_lease_mb << 20, ttl_s=p.kv_lease_s)
+        leases = KVLeases(p.kv_lease_mb << 20, p.kv_lease_s, on_change)
         server = KVServer(leases, C.internal_token(), p.host, port).start()
         return cls(server, server.address(p.advertise_host or kvnet.advertise_host(p.host)))
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
+from disagg.cancel import CancelRegistry, CancelWatch
 from disagg.contracts import error_kind_of
 from disagg.errors import PoolError
 from disagg.triton.bls import CallerWatch, ack_response, failure_response, is_bls_caller
@@ -42,7 +43,8 @@ class RequestRunner(Generic[Req, Reply]):
     then run in the pool, streaming through its response sender. Not decoupled: the batch
     Triton hands over is run in parallel and answered with one response per request.
     `run(req, emit, is_cancelled)` returns the final reply; `respond(reply, requested)` makes a
-    response of a reply."""
+    response of a reply. With `cancels`, a streaming request Triton cancels is marked there
+    at once (CancelWatch), and a mark on its id (or its caller's) cancels it."""
 
     def __init__(
         self,
@@ -53,6 +55,7 @@ class RequestRunner(Generic[Req, Reply]):
         respond: Respond[Reply],
         on_error: Callable[[str], None] | None = None,
         batched: bool = True,
+        cancels: CancelRegistry | None = None,
     ) -> None:
         self.decoupled = decoupled
         self.parse, self.run, self.respond = parse, run, respond
@@ -60,6 +63,8 @@ class RequestRunner(Generic[Req, Reply]):
         self.batched = batched
         self.pid = os.getpid()
         self.workers = ThreadPoolExecutor(max_concurrency, "requests")
+        self.cancels = cancels
+        self.watch = CancelWatch(cancels) if cancels is not None else None
 
     def execute(
         self, requests: Iterable[pb_utils.InferenceRequest]
@@ -107,8 +112,19 @@ class RequestRunner(Generic[Req, Reply]):
                 raise PoolError(f"the caller (pid {caller.pid}) died")
             sender.send(self.respond(reply, requested))
 
+        def triton_cancelled() -> bool:
+            return caller.gone() or sender.is_cancelled()
+
+        def is_cancelled() -> bool:
+            marks = self.cancels
+            return triton_cancelled() or (marks is not None and marks.is_marked(req.request_id))
+
+        # (a BLS caller cannot cancel its call: it marks its own id, which this one extends)
+        watch = None if to_bls else self.watch
+        if watch is not None:
+            watch.add(req.request_id, triton_cancelled)
         try:
-            final = self.run(req, emit, lambda: caller.gone() or sender.is_cancelled())
+            final = self.run(req, emit, is_cancelled)
             if caller.gone():
                 _log.warning("request %s: its caller died; dropped", req.request_id)
                 return
@@ -121,6 +137,9 @@ class RequestRunner(Generic[Req, Reply]):
                 sender.send(self._error_response(e, to_bls), flags=FINAL)
             except Exception:
                 _log.exception("request %s: could not report the failure", req.request_id)
+        finally:
+            if watch is not None:
+                watch.remove(req.request_id)
 
     def _error_response(
         self, exc: Exception, as_outputs: bool = False
@@ -130,4 +149,6 @@ class RequestRunner(Generic[Req, Reply]):
         return failure_response(exc, as_outputs, self.batched)
 
     def shutdown(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         self.workers.shutdown(wait=False, cancel_futures=True)

@@ -21,13 +21,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from disagg.contracts import DecodeStats
 from disagg.engine.llm_engine import PrefillResult, TokenOutput, resolve_seed
 from disagg.engine.sequence import FinishReason, SamplingParams
-from disagg.errors import CapacityError, RequestError
+from disagg.errors import CapacityError, RequestCancelledError, RequestError
 from disagg.trtllm.kv_events import KvCacheEvent, RequestFeatures, read_events
 from disagg.trtllm.payload import TrtllmHandoff, params_to_dict
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # (tensorrt_llm has no types: Any to mypy, names to readers)
     import tensorrt_llm
     from tensorrt_llm.llmapi import RequestOutput
 
+CANCEL_POLL_S = 0.02  # how often a running context request asks whether its client left
 FINISH = {  # CompletionOutput.finish_reason (1.0: stop, length, timeout, cancelled)
     "stop": FinishReason.STOP,
     "length": FinishReason.LENGTH,
@@ -125,7 +127,11 @@ class TrtllmPrefillEngine:
         return read_events(self.llm, timeout_s)
 
     def prefill(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        is_cancelled: Callable[[], bool] | None = None,
     ) -> tuple[PrefillResult, TrtllmHandoff]:
         if not prompt_ids:
             raise RequestError("empty prompt")
@@ -134,15 +140,10 @@ class TrtllmPrefillEngine:
         seed = resolve_seed(params)
         salt = self.features.salt(request_id, params.cache_salt, params.use_cache)
         start = time.perf_counter()
-        out = self.llm.generate(
-            prompt_ids,
-            sampling_params=trt_sampling(
-                self.api, params, seed, max_tokens=1, perf_metrics=self.features.perf_metrics
-            ),
-            use_tqdm=False,  # the default draws a progress bar per call on the server's stderr
-            disaggregated_params=self.api.DisaggregatedParams(request_type="context_only"),
-            **salt,
+        sampling = trt_sampling(
+            self.api, params, seed, max_tokens=1, perf_metrics=self.features.perf_metrics
         )
+        out = self._context(prompt_ids, sampling, salt, is_cancelled or (lambda: False))
         completion = out.outputs[0]
         if not completion.token_ids or completion.disaggregated_params is None:
             raise RuntimeError("TensorRT-LLM returned no first token or no disaggregated params")
@@ -162,6 +163,34 @@ class TrtllmPrefillEngine:
             num_reused_tokens=self.features.reused_tokens(out, len(prompt_ids)),
         )
         return result, handoff
+
+    def _context(
+        self,
+        prompt_ids: list[int],
+        sampling: Any,
+        salt: dict[str, str],
+        is_cancelled: Callable[[], bool],
+    ) -> RequestOutput:
+        """The context request's output. It runs through generate_async, whose handle can be
+        aborted (GenerationResult.abort -> executor.abort_request, TensorRT-LLM 1.0's
+        executor/result.py): while it runs, `is_cancelled` is asked every CANCEL_POLL_S and a
+        request whose client left is aborted, so its KV blocks are freed then rather than
+        held for a generation half that will not come (RequestCancelledError)."""
+        future = self.llm.generate_async(
+            prompt_ids,
+            sampling_params=sampling,
+            disaggregated_params=self.api.DisaggregatedParams(request_type="context_only"),
+            **salt,
+        )
+        while True:
+            try:  # (result(timeout) raises queue.Empty while the request runs)
+                return future.result(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                if is_cancelled():
+                    future.abort()
+                    raise RequestCancelledError(
+                        "TensorRT-LLM context request aborted: the client went away"
+                    ) from None
 
 
 class TrtllmDecodeEngine:

@@ -26,6 +26,7 @@ _utils.py's KVCacheEventSerializer output.
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 import typing
@@ -160,8 +161,43 @@ class _Context:
     created: float
 
 
+class ContextResult:
+    """A context_only request from generate_async: done `LLM.context_s` after it was sent.
+    result(timeout) raises queue.Empty until then, as GenerationResult.result does (its
+    queue.get(timeout=...)); abort() before then ends it with no KV held for a generation
+    half (1.0: executor.abort_request, the request's blocks freed); after, it frees nothing."""
+
+    def __init__(self, owner: LLM, prompt: list[int], sp: SamplingParams) -> None:
+        self.owner, self.prompt, self.sp = owner, prompt, sp
+        self.done_at = time.monotonic() + owner.context_s
+        self._aborted = False
+        self._output: RequestOutput | None = None
+
+    def abort(self) -> None:
+        self._aborted = True
+
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        if self._output is not None:
+            return self._output
+        wait = self.done_at - time.monotonic()
+        if timeout is not None and wait > timeout:
+            time.sleep(timeout)
+            raise queue.Empty
+        time.sleep(max(wait, 0.0))
+        if self._aborted:
+            out = CompletionOutput([], "cancelled", None, None)
+            self._output = RequestOutput([out])
+        else:
+            self._output = self.owner._context_output(self.prompt, self.sp)
+        return self._output
+
+
 class LLM:
     instances: list[LLM] = []
+    context_s = 0.0  # how long a context request takes (generate_async)
     # what the cache transceiver would carry between executors: context id -> its KV
     contexts: dict[int, _Context] = {}
 
@@ -260,20 +296,27 @@ class LLM:
         self._check_arguments(list(inputs), disaggregated_params)
         self.calls.append(("generate", list(inputs), sp, disaggregated_params))
         self.last_use_tqdm = use_tqdm
+        if disaggregated_params is not None and disaggregated_params.request_type == "context_only":
+            return self._context_output(list(inputs), sp)
         reused = self._store_prompt(list(inputs))
         tokens = self._tokens(list(inputs), sp.max_tokens)
-        params = None
-        if disaggregated_params is not None and disaggregated_params.request_type == "context_only":
-            ctx = next(self._ids)
-            state = bytes([ctx % 256, 0, 255]) + b"kv-at-" + str(ctx).encode()
-            self.contexts[ctx] = _Context(list(inputs), state, self, time.monotonic())
-            params = DisaggregatedParams(
-                request_type="context_only",
-                first_gen_tokens=[tokens[0]],
-                ctx_request_id=ctx,
-                opaque_state=state,
-            )
-            tokens = tokens[:1]
+        metrics = perf_metrics(reused) if sp.return_perf_metrics else None
+        return RequestOutput([CompletionOutput(tokens, "length", None, metrics)])
+
+    def _context_output(self, inputs: list[int], sp: SamplingParams) -> RequestOutput:
+        """A finished context request: one token, its KV held for the generation half."""
+        reused = self._store_prompt(list(inputs))
+        tokens = self._tokens(list(inputs), sp.max_tokens)
+        ctx = next(self._ids)
+        state = bytes([ctx % 256, 0, 255]) + b"kv-at-" + str(ctx).encode()
+        self.contexts[ctx] = _Context(list(inputs), state, self, time.monotonic())
+        params = DisaggregatedParams(
+            request_type="context_only",
+            first_gen_tokens=[tokens[0]],
+            ctx_request_id=ctx,
+            opaque_state=state,
+        )
+        tokens = tokens[:1]
         metrics = perf_metrics(reused) if sp.return_perf_metrics else None
         return RequestOutput([CompletionOutput(tokens, "length", params, metrics)])
 
@@ -283,9 +326,13 @@ class LLM:
         sp = sampling_params or SamplingParams()
         self._check_arguments(list(inputs), disaggregated_params)
         self.calls.append(("generate_async", list(inputs), sp, disaggregated_params))
+        if disaggregated_params is not None and disaggregated_params.request_type == "context_only":
+            if streaming:
+                raise ValueError("a context_only request streams nothing here")
+            return ContextResult(self, list(inputs), sp)
         if disaggregated_params is not None:
             if disaggregated_params.request_type != "generation_only":
-                raise ValueError("generate_async here takes generation_only requests")
+                raise ValueError("generate_async takes context_only or generation_only requests")
             LLM._expire()
             ctx = self.contexts.get(disaggregated_params.ctx_request_id)
             if ctx is None or (ctx.prompt, ctx.state) != (
