@@ -314,7 +314,10 @@ class Subscriber:
                 if not self._stop.is_set():
                     log.warning("KV events of %s lost (%s)", self.address, why)
                     if self.on_lost is not None:
-                        self.on_lost(why)
+                        try:
+                            self.on_lost(why)
+                        except Exception:  # never the end of following it
+                            log.exception("on_lost of %s failed", self.address)
             self._stop.wait(self.retry_s)
 
     def _follow(self) -> None:

@@ -180,6 +180,12 @@ REPLICA_CACHED_BLOCKS = _m(
     "what this frontend sent it)",
     ("pool", "replica"),
 )
+REPLICA_EVICTED_BLOCKS = _m(
+    "disagg_replica_evicted_blocks_total",
+    COUNTER,
+    "Prefix cache blocks each replica evicted, as its KV events told this frontend",
+    ("pool", "replica"),
+)
 REPLICA_EVENTS_UP = _m(
     "disagg_replica_kv_events_up",
     GAUGE,

@@ -112,6 +112,7 @@ class InstanceView:
         self.load: dict[str, Any] = {}
         self.load_at = 0.0
         self.restarts = 0  # epochs seen after the first: the instance restarted
+        self.evicted = 0  # blocks its events said it evicted
         self._lock = threading.Lock()
 
     def hello(self, message: dict[str, Any]) -> None:
@@ -133,6 +134,7 @@ class InstanceView:
                 self.blocks.update(blocks)
             else:
                 self.blocks.difference_update(blocks)
+                self.evicted += len(blocks)
 
     def heartbeat(self, load: dict[str, Any]) -> None:
         self.load, self.load_at = load, self.clock()
@@ -219,6 +221,11 @@ class ReplicaCache:
         """The replica failed or restarted: nothing recorded of it holds any more."""
         with self._lock:
             self._record.clear()
+
+    @property
+    def num_evicted(self) -> int:
+        """Blocks its instances evicted since this frontend follows them (their events)."""
+        return sum(v.evicted for v in self.views)
 
     @property
     def num_blocks(self) -> int:

@@ -127,23 +127,20 @@ def replica_set(
     spec: str, clients: ClientCache, model: str, route: RouteParams | None, decode: bool = False
 ) -> ReplicaSet:
     """A pool's replicas, each followed by its KV events when the route asks for them."""
-    follow: Callable[[Replica], Follower] | None = None
-    if route is not None and route.events:
-        holder: list[ReplicaSet] = []  # (the set the callback ejects from, made below)
 
-        def follow(r: Replica) -> Follower:
-            return Follower(
-                r.address, r.cache, lambda a: clients.events_port(a, model),
-                C.internal_token(), on_lost=lambda why: holder[0].eject(r, f"KV events: {why}"),
-            ).start()  # fmt: skip
+    def probe(address: str) -> bool:
+        return clients.probe(address, model)
 
-        rs = ReplicaSet(
-            spec, probe=lambda a: clients.probe(a, model), route=route, follow=follow,
-            decode=decode,
-        )  # fmt: skip
-        holder.append(rs)
-        return rs
-    return ReplicaSet(spec, probe=lambda a: clients.probe(a, model), route=route, decode=decode)
+    def discover(address: str) -> tuple[int, int] | None:
+        return clients.events_port(address, model)
+
+    def follow(r: Replica, lost: Callable[[str], None]) -> Follower:
+        return Follower(r.address, r.cache, discover, C.internal_token(), lost).start()
+
+    events = route is not None and route.events
+    return ReplicaSet(
+        spec, probe=probe, route=route, follow=follow if events else None, decode=decode
+    )
 
 
 def _key(prompt_ids: list[int] | None, params: SamplingParams) -> PromptKey | None:

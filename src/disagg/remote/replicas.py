@@ -119,12 +119,13 @@ class ReplicaSet:
         clock: Callable[[], float] = time.monotonic,
         report_s: float = 2.0,
         route: RouteParams | None = None,
-        follow: Callable[[Replica], Follower] | None = None,
+        follow: Callable[[Replica, Callable[[str], None]], Follower] | None = None,
         decode: bool = False,
     ) -> None:
-        """`route`: how a prompt's replica is chosen (None: by load alone). `follow(r)`
-        starts following a new replica's KV events (the returned object stops it when r
-        leaves). `decode`: the replicas report a decode engine's load."""
+        """`route`: how a prompt's replica is chosen (None: by load alone). `follow(r,
+        lost)` starts following a new replica's KV events (the returned object stops it when
+        r leaves; `lost(why)` ejects r when a stream that was up ends). `decode`: the
+        replicas report a decode engine's load."""
         self.report_s = report_s
         self.route = route
         self.follow = follow
@@ -157,13 +158,16 @@ class ReplicaSet:
                     if self.route is not None:
                         r.cache = ReplicaCache(self.route.capacity_tokens, self.route.block_size)
                     if self.follow is not None:
-                        r.follower = self.follow(r)
+                        r.follower = self.follow(r, self._ejector(r))
                     log.info("replica %s found", a)
             for a in set(self._replicas) - set(addresses):
                 log.info("replica %s is gone from %s", a, self.dns or self.fixed)
                 gone = self._replicas.pop(a)
                 if gone.follower is not None:
                     gone.follower.stop()
+
+    def _ejector(self, r: Replica) -> Callable[[str], None]:
+        return lambda why: self.eject(r, f"its KV events: {why}")
 
     def close(self) -> None:
         """Stop following every replica's events."""

@@ -253,8 +253,9 @@ class ReplicaMetrics:
         self.outstanding, self.up = Family(M.REPLICA_OUTSTANDING), Family(M.REPLICA_UP)
         self.prompt, self.held = Family(M.REPLICA_PROMPT_TOKENS), Family(M.REPLICA_HELD_TOKENS)
         self.blocks, self.events = Family(M.REPLICA_CACHED_BLOCKS), Family(M.REPLICA_EVENTS_UP)
+        self.evicted = Family(M.REPLICA_EVICTED_BLOCKS)
         # (pool, address) -> the counts already exported
-        self._seen: dict[tuple[str, str], tuple[int, int, int, int]] = {}
+        self._seen: dict[tuple[str, str], tuple[int, ...]] = {}
         self.interval_s = interval_s
         self._stop = threading.Event()
         if self.sets:
@@ -268,13 +269,12 @@ class ReplicaMetrics:
         for pool, rs in self.sets.items():
             for r in rs.replicas:
                 labels = {"pool": pool, "replica": r.address}
-                counts = (r.requests, r.ejections, r.prompt_tokens, r.held_tokens)
-                seen = self._seen.get((pool, r.address), (0, 0, 0, 0))
-                for family, now, before in zip(
-                    (self.requests, self.ejections, self.prompt, self.held), counts, seen,
-                    strict=True,
-                ):  # fmt: skip
-                    family.inc(now - before, **labels)
+                counters = (self.requests, self.ejections, self.prompt, self.held, self.evicted)
+                counts = (r.requests, r.ejections, r.prompt_tokens, r.held_tokens,
+                          r.cache.num_evicted)  # fmt: skip
+                seen = self._seen.get((pool, r.address), (0,) * len(counts))
+                for family, now, before in zip(counters, counts, seen, strict=True):
+                    family.inc(max(now - before, 0), **labels)  # (a view restarts from 0)
                 self._seen[(pool, r.address)] = counts
                 self.outstanding.set(r.outstanding, **labels)
                 self.up.set(0.0 if r.ejected_until else 1.0, **labels)
