@@ -127,7 +127,7 @@ class ServeSettings:
     # how a frontend picks a replica of a remote pool: "cache_aware" (by the prompt blocks
     # each holds and its load: remote/cache_route.py) or "load" (by load alone)
     replica_choice: str = "cache_aware"
-    replica_load_weight: float = 1.0  # cache_route.py's w: a block queued vs a block to compute
+    replica_load_weight: float = 0.5  # cache_route.py's w: a block queued vs a block to compute
     # a decode replica with sequences waiting, or its slots or KV this full, is overloaded:
     # its cache is not counted (conversations leave it)
     replica_overload: float = 0.9

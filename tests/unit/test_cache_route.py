@@ -23,7 +23,7 @@ from disagg.remote.cache_route import (
 from disagg.remote.replicas import ReplicaSet
 
 pytestmark = pytest.mark.unit
-P = RouteParams()  # block size 16, load weight 1, overload 0.9
+P = RouteParams(load_weight=1.0)  # block size 16, overload 0.9
 ROOT = root_hash("fp", "float32", 16)
 
 
@@ -38,9 +38,9 @@ def test_cost_is_blocks_to_compute_plus_the_work_queued_there():
     # a partial last block counts as a block; a replica never holds more than the prompt
     assert cost(17, Candidate(held_tokens=64, work_tokens=0), P) == 0
     assert cost(17, Candidate(held_tokens=0, work_tokens=0), P) == 2
-    # the load weight scales the work
-    half = RouteParams(load_weight=0.5)
-    assert cost(160, busy, half) == 2 + 6.25
+    # the load weight scales the work (0.5 by default: queued work weighs half)
+    assert RouteParams().load_weight == 0.5
+    assert cost(160, busy, RouteParams()) == 2 + 6.25
 
 
 def test_ties_go_to_the_first_candidate_the_caller_put_first():
@@ -179,13 +179,13 @@ def test_a_conversation_keeps_landing_where_its_kv_is():
 
 
 def test_a_conversation_leaves_a_replica_whose_queue_outweighs_its_cache():
-    rs = replicas()
+    rs = replicas()  # queued work weighs half a block to compute
     key = PromptKey(conversation(3))  # 160 tokens: 10 blocks
     home = rs.choose_for(key).replica
     home.cache.record(PromptKey(conversation(2)))  # holds 7 of its 10 blocks
-    with rs.using(home, work_tokens=64):  # 4 blocks queued: still worth waiting for
+    with rs.using(home, work_tokens=160):  # 10 blocks queued: still worth waiting for
         assert rs.choose_for(key).replica is home
-    with rs.using(home, work_tokens=160):  # 10 blocks queued: more than its cache saves
+    with rs.using(home, work_tokens=320):  # 20 blocks queued: worth more than it saves
         assert rs.choose_for(key).replica is not home
 
 

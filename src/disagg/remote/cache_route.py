@@ -24,11 +24,16 @@ A replica is chosen per request by cost, as Dynamo's KV router scores its worker
             decode   the KV blocks its sequences hold, from its heartbeat (every frontend's
                      sequences), at least what this frontend has in flight there (prompt +
                      max_tokens of each)
-    w     replica_load_weight (1.0: a block of work queued weighs as a block to compute)
+    w     replica_load_weight (0.5: a block queued weighs half a block to compute)
 
-For prefill, cost is in blocks of prefill work roughly the wait for this prompt's first
-token: a conversation stays on the replica holding its earlier turns until the work queued
-there exceeds what its cache saves, then it moves (and its next turn finds it there).
+With w = 1, for prefill, cost is in blocks of prefill work the wait for this prompt's first
+token. But a block a replica computes for want of a cache delays every prompt queued after
+it too, not this one alone, so w is below 1: measured on the multi-turn workload
+(docs/benchmarks.md, "Cache-aware replica choice"), w = 1 moved conversations whenever one
+more turn was queued at home (77% of prompt tokens cached, one server: 84%), w = 0.5 kept
+them (83%). A conversation stays on the replica holding its earlier turns until the work
+queued there is worth twice what its cache saves; then it moves, and its next turn finds it
+on the new replica.
 
 Overloaded: a decode replica with sequences waiting for a slot, or whose slots or KV blocks
 are at least `replica_overload` (0.9) in use. Its cache is not counted (H = 0): it keeps no
@@ -57,7 +62,7 @@ _OWN_ROOT = root_hash("frontend-record", "", 16)  # the own record's hashes: thi
 @dataclass(frozen=True)
 class RouteParams:
     choice: str = CACHE_AWARE  # or LOAD: by load alone (the reports), blind to caches
-    load_weight: float = 1.0  # w
+    load_weight: float = 0.5  # w
     overload: float = 0.9  # a decode replica this full keeps no conversation
     block_size: int = 16
     capacity_tokens: int = 16384  # a replica's prefix cache: bounds the own record
