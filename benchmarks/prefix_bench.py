@@ -21,8 +21,16 @@ disaggregated mode: --mode disaggregated): moved and left out (decode held them)
 whole run, and per turn for one more conversation run alone after it (the run's
 conversations overlap, so the server's counters cannot tell their turns apart).
 
+Cluster mode (servers cluster-cache, cluster-load): `disagg cluster`'s topology on this
+machine (a frontend, --cluster-prefill prefill and --cluster-decode decode servers, each its
+own process, KV events on), its replicas chosen by the blocks they hold and their load
+(replica_choice cache_aware) or by load alone; the prompt tokens that came from a cache,
+against one server's (disagg-on, --mode disaggregated: its one prefill pool sees every turn).
+
     python benchmarks/prefix_bench.py [--servers disagg-off disagg-on disagg-int8 vllm-on]
         [--workloads shared multiturn chat]
+    python benchmarks/prefix_bench.py --mode disaggregated --workloads multiturn \
+        --servers disagg-on cluster-cache cluster-load
 
 Prints tables; writes results/prefix_bench.json and results/prefix_bench.png.
 """
@@ -281,6 +289,63 @@ def disagg_server(a, cache: bool, **extra: str) -> Iterator[Endpoint]:
             gateway.stop()
 
 
+@contextlib.contextmanager
+def cluster_server(a, choice: str) -> Iterator[Endpoint]:
+    """`disagg cluster`'s nodes (serve/cluster.py), every one its own process with the prefix
+    cache on and its KV events published; the frontend picks replicas by `choice`."""
+    import dataclasses as dc
+    import socket
+
+    from disagg.serve.cluster import Cluster, plan
+    from disagg.serve.server import free_ports
+    from disagg.settings import ServeSettings
+
+    def free(base: int, n: int) -> bool:
+        for port in range(base, base + n):
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    return False
+        return True
+
+    http, grpc, metrics, gw = free_ports(4)
+    base = next(b for b in range(31100, 60000, 400) if free(b, 200))
+    env = {
+        "DISAGG_MODE": a.mode, "DISAGG_REPLICA_CHOICE": choice, "DISAGG_API_KEYS": API_KEY,
+        "DISAGG_ENGINE_DIR": str(Path(a.engine_dir).resolve()),
+        "DISAGG_PREFIX_CACHE_TOKENS": str(a.cache_tokens),
+        "DISAGG_DECODE_MAX_NUM_SEQS": str(max(16, a.concurrency)),
+    }  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        settings = dc.replace(
+            ServeSettings.load(), build_dir=tempfile.mkdtemp(), http_port=http, grpc_port=grpc,
+            metrics_port=metrics, gateway_port=gw,
+        )  # fmt: skip
+        nodes = plan(
+            settings, a.cluster_prefill, a.cluster_decode, settings.path("build_dir"), base
+        )
+        # (the frontend takes settings' ports: the free ones above)
+        cluster = Cluster(nodes)
+        try:
+            cluster.up()
+            deadline = time.monotonic() + 60
+            while _get(f"http://127.0.0.1:{gw}/health") != 200 and time.monotonic() < deadline:
+                time.sleep(1)
+            time.sleep(3)  # the frontend follows every replica's KV events by now
+            yield Endpoint(f"http://127.0.0.1:{gw}/v1", f"http://127.0.0.1:{metrics}/metrics")
+        finally:
+            cluster.stop()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def export_hf(engine_dir: str, out: Path) -> Path:
     """The engine directory as a Hugging Face Llama checkpoint vLLM loads (same weights)."""
     cfg = json.loads((Path(engine_dir) / "config.json").read_text())
@@ -356,6 +421,8 @@ SERVERS = {
     "disagg-int8": lambda a: disagg_server(a, cache=True, decode_activations="int8"),
     "vllm-off": lambda a: vllm_server(a, cache=False),
     "vllm-on": lambda a: vllm_server(a, cache=True),
+    "cluster-cache": lambda a: cluster_server(a, "cache_aware"),
+    "cluster-load": lambda a: cluster_server(a, "load"),
 }
 
 
@@ -364,14 +431,15 @@ def table(res: dict) -> str:
     lines = []
     for w, per in res["workloads"].items():
         lines += [f"\n### {w}\n", "| server | TTFT p50 (s) | TTFT p90 (s) | turns 2+ TTFT p50 (s) "
-                  "| TPOT p50 (ms) | output tok/s | cached / prompt tokens | errors |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| TPOT p50 (ms) | output tok/s | cached / prompt tokens | hit rate | errors |",
+                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for s, r in per.items():
             later = f"{r['ttft_p50_later_s']:.2f}" if "ttft_p50_later_s" in r else "-"
+            hit = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
             lines.append(
                 f"| {s} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {later} | "
                 f"{r.get('tpot_p50_ms', 0.0):.0f} | {r['tok_s']:.1f} | "
-                f"{r['cached_tokens']} / {r['prompt_tokens']} | {r['errors']} |"
+                f"{r['cached_tokens']} / {r['prompt_tokens']} | {hit:.0%} | {r['errors']} |"
             )
         lines += handoff_table(per)
     return "\n".join(lines)
@@ -433,6 +501,8 @@ def main() -> int:
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--cluster-prefill", type=int, default=2, help="cluster-*: prefill servers")
+    p.add_argument("--cluster-decode", type=int, default=2, help="cluster-*: decode servers")
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     p.add_argument("--work-dir", default=tempfile.mkdtemp(prefix="prefix-bench-"))
     p.add_argument("--out", default=str(ROOT / "results" / "prefix_bench.json"))

@@ -174,6 +174,37 @@ REPLICA_UP = _m(
     "1 while a replica is in rotation, 0 while it is ejected",
     ("pool", "replica"),
 )
+REPLICA_PROMPT_TOKENS = _m(
+    "disagg_replica_prompt_tokens_total",
+    COUNTER,
+    "Prompt tokens of the requests this frontend chose each replica for by its cache",
+    ("pool", "replica"),
+)
+REPLICA_HELD_TOKENS = _m(
+    "disagg_replica_held_tokens_total",
+    COUNTER,
+    "Of those, the leading tokens the replica held when chosen, by this frontend's view",
+    ("pool", "replica"),
+)
+REPLICA_CACHED_BLOCKS = _m(
+    "disagg_replica_cached_blocks",
+    GAUGE,
+    "Prefix cache blocks each replica holds, by this frontend's view (its KV events, or "
+    "what this frontend sent it)",
+    ("pool", "replica"),
+)
+REPLICA_EVICTED_BLOCKS = _m(
+    "disagg_replica_evicted_blocks_total",
+    COUNTER,
+    "Prefix cache blocks each replica evicted, as its KV events told this frontend",
+    ("pool", "replica"),
+)
+REPLICA_EVENTS_UP = _m(
+    "disagg_replica_kv_events_up",
+    GAUGE,
+    "1 while this frontend follows the replica's KV events (every instance), else 0",
+    ("pool", "replica"),
+)
 
 # ------------------------------------------------------------------ decode pool (Triton)
 DECODE_ACTIVE = _m(

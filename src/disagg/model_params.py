@@ -46,6 +46,7 @@ class PrefillParams(TrtllmPrefillParams):
     host: str
     advertise_host: str
     kv_port: int
+    kv_events_port: int  # its prefix cache's events for frontends (kvevents.py); 0: none
     kv_lease_mb: int
     prefix_cache_tokens: int
     run_dir: str  # the cancel registry (cancel.py): a prefill stops when its request is marked
@@ -83,6 +84,8 @@ class DecodeParams(TrtllmDecodeParams):
     decode_torch_threads: int
     run_dir: str
     prefix_cache_tokens: int
+    host: str  # where its KV events are published (kv_events_port; 0: none)
+    kv_events_port: int
 
     def engine_config(self) -> EngineConfig:
         """Decode's KV cache is touched at start: steady-state speed from the first request."""
@@ -107,6 +110,9 @@ class OrchestratorParams:
     decode_model: str
     prefill_replicas: str  # or the pools on other servers
     decode_replicas: str
+    replica_choice: str  # how their replicas are chosen (remote/cache_route.py)
+    replica_load_weight: float
+    replica_overload: float
     prefill_timeout_s: float
     mode: str
     conditional_remote_stall: float

@@ -130,6 +130,17 @@ class ServeSettings:
     kv_lease_s: float = 30.0  # a payload no decode server pulled is freed after this
     kv_lease_mb: int = 2048  # payload bytes one prefill process holds for pulling, at most
     advertise_host: str = ""  # the address other servers reach this one at ("": host)
+    # where a prefill or decode server publishes its prefix cache's KV events (blocks stored
+    # and evicted: kvevents.py) to the frontends routing to it, instance i of the pool on
+    # this port + i; 0: none (frontends then go by their own record of what they sent where)
+    kv_events_port: int = 0
+    # how a frontend picks a replica of a remote pool: "cache_aware" (by the prompt blocks
+    # each holds and its load: remote/cache_route.py) or "load" (by load alone)
+    replica_choice: str = "cache_aware"
+    replica_load_weight: float = 0.5  # cache_route.py's w: a block queued vs a block to compute
+    # a decode replica with sequences waiting, or its slots or KV this full, is overloaded:
+    # its cache is not counted (conversations leave it)
+    replica_overload: float = 0.9
     # ---------------------------------------------------------------- gateway
     gateway_port: int = 9000  # the OpenAI-compatible API (binds `host` too)
     gateway_enabled: bool = True  # serve starts the gateway (compose runs it as its own service)
@@ -193,6 +204,10 @@ class ServeSettings:
                 "with engine_backend tensorrt_llm each pool is one process (TensorRT-LLM batches "
                 "and parallelises inside it): set prefill_instances and decode_instances to 1 "
                 "and run more replicas as more servers"
+            )
+        if self.replica_choice not in ("cache_aware", "load"):
+            raise ConfigError(
+                f"setting replica_choice must be cache_aware or load, got {self.replica_choice!r}"
             )
         if self.conditional_remote_stall > 1:
             raise ConfigError("setting conditional_remote_stall must be between 0 and 1")

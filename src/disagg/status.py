@@ -182,17 +182,24 @@ def render(
         (s.label("pool"), s.label("replica"), s.value) for s in now if s.name == "disagg_replica_up"
     )
     if replicas:
-        lines += ["", "replicas              up  in flight  requests/s  ejections"]
+        lines += ["", "replicas              up  in flight  requests/s  ejections  blocks"
+                  "  held  events"]  # fmt: skip
         for pool, replica, up in replicas:
             labels = {"pool": pool, "replica": replica}
             rate = total(now, "disagg_replica_requests_total", **labels) - total(
                 before, "disagg_replica_requests_total", **labels
             )
+            # held: of the prompt tokens it was chosen for, those its cache held (the view's)
+            prompt = total(now, "disagg_replica_prompt_tokens_total", **labels)
+            held = total(now, "disagg_replica_held_tokens_total", **labels)
+            events = total(now, "disagg_replica_kv_events_up", **labels)
             lines.append(
                 f"  {pool[:7]:<7} {replica:<21} {'yes' if up else 'NO ':<4}"
                 f"{total(now, 'disagg_replica_outstanding_requests', **labels):6.0f}"
                 f"{rate / seconds:12.1f}"
                 f"{total(now, 'disagg_replica_ejections_total', **labels):10.0f}"
+                f"{total(now, 'disagg_replica_cached_blocks', **labels):8.0f}"
+                f"{f'{held / prompt:.0%}' if prompt else '-':>6}  {'yes' if events else 'no'}"
             )
     decisions = [s for s in now if s.name == "disagg_conditional_decisions_total"]
     if decisions:

@@ -119,6 +119,8 @@ def test_ports_probes_and_roles_match_the_settings_the_pods_load(rendered, tmp_p
             assert s.decode_replicas == f"dns:disagg-decode:{s.grpc_port}"
         if role == "prefill":
             assert ports["kv"] == s.kv_port
+        if role in ("prefill", "decode") and s.kv_events_port:  # (GPU pools publish none)
+            assert ports["kv-events"] == s.kv_events_port
         for probe, path in (("readinessProbe", "/v2/health/ready"),
                             ("livenessProbe", "/v2/health/live")):  # fmt: skip
             assert c[probe]["httpGet"] == {"path": path, "port": "http"}
@@ -137,9 +139,9 @@ def _ports(rule: dict) -> tuple[int, int]:
 
 
 def test_the_network_policies_open_exactly_the_pools_ports(rendered):
-    """The base: gRPC from the frontend, disagg's KV port from decode, metrics. GPU: also
-    prefill <-> decode on every TCP port, for TensorRT-LLM's transceiver, whose listener port
-    the kernel picks (and UCX's TCP lanes open more)."""
+    """The base: gRPC and KV events from the frontend, disagg's KV port from decode, metrics.
+    GPU: also prefill <-> decode on every TCP port, for TensorRT-LLM's transceiver, whose
+    listener port the kernel picks (and UCX's TCP lanes open more)."""
     overlay, docs = rendered
     allowed: dict[str, set] = {}
     for policy in by_kind(docs, "NetworkPolicy"):
@@ -152,9 +154,10 @@ def test_the_network_policies_open_exactly_the_pools_ports(rendered):
     every = (1, 65535)
     transfer = {"prefill": {("decode", every)}, "decode": {("prefill", every)}}
     extra = transfer if overlay == "gpu" else {"prefill": set(), "decode": set()}
-    assert allowed["prefill"] == {("frontend", (8001, 8001)), ("decode", (8105, 8105)),
+    events = ("frontend", (8106, 8106))  # the KV events the frontends follow
+    assert allowed["prefill"] == {("frontend", (8001, 8001)), ("decode", (8105, 8105)), events,
                                   ("prometheus", (8002, 8002))} | extra["prefill"]  # fmt: skip
-    assert allowed["decode"] == {("frontend", (8001, 8001)),
+    assert allowed["decode"] == {("frontend", (8001, 8001)), events,
                                  ("prometheus", (8002, 8002))} | extra["decode"]  # fmt: skip
 
 

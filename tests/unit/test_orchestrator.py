@@ -424,3 +424,33 @@ def test_a_resend_whose_prefill_fails_is_prefilled_by_decode_and_completes(token
     assert final.token_ids[1:4] == [6, 7, 8]
     assert "".join(deltas) + final.text == tokenizer.decode(final.token_ids)
     assert final.finish_reason == "length" and events.names("kv_prefix_miss")
+
+
+class PlacingDecode(ScriptedDecode):
+    """Decode on other servers (remote/pools.py GrpcDecodePool): a replica is placed for the
+    request before its prefill, and says how much of the prompt it surely holds."""
+
+    def __init__(self, *a, holds: int = 0, **kw):
+        super().__init__(*a, **kw)
+        self.holds = holds
+        self.placed: list[str] = []
+
+    def place(self, request_id, prompt_ids, params):
+        self.placed.append(request_id)
+        return self.holds
+
+
+def test_decode_on_another_server_gets_a_partial_hand_off_of_what_its_replica_holds(
+    tokenizer, args
+):
+    prefill, decode = ScriptedPrefill(5), PlacingDecode([6, 7], holds=40)
+    o = orchestrator(tokenizer, args, prefill, decode)  # no locality: the pools are remote
+    req = request(tokenizer, "word " * 60)
+    final = o.run(req, lambda r: None)
+    assert decode.placed == ["rid"] and prefill.skips == [32]  # whole blocks it holds
+    handoff, prompt_ids = decode.calls[0]
+    assert handoff.kv_start == 32 and prompt_ids == req.prompt_ids
+    assert final.token_ids == [5, 6, 7]
+    decode.holds = 0
+    o.run(req, lambda r: None)
+    assert prefill.skips[-1] == 0

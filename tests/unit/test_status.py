@@ -80,3 +80,21 @@ def test_a_frame_shows_what_hand_offs_left_out_and_the_prefix_misses():
     line = next(x for x in render(parse(before), parse(now), 10.0).splitlines() if "left out" in x)
     assert "3.0 MB/s, 31 MB in all" in line and "prefix misses 2 (2 in all)" in line
     assert not any("left out" in x for x in render(parse(BEFORE), parse(NOW), 10.0).splitlines())
+
+
+def test_a_frame_shows_what_each_replica_holds_by_the_frontends_view():
+    labels = '{pool="decode",replica="10.0.0.6:8001"}'
+    now = parse(
+        f"disagg_replica_up{labels} 1\n"
+        f"disagg_replica_requests_total{labels} 12\n"
+        f"disagg_replica_cached_blocks{labels} 340\n"
+        f"disagg_replica_prompt_tokens_total{labels} 4000\n"
+        f"disagg_replica_held_tokens_total{labels} 3000\n"
+        f"disagg_replica_kv_events_up{labels} 1\n"
+        'disagg_replica_up{pool="prefill",replica="10.0.0.5:8001"} 1\n'
+    )
+    frame = render(now, now, 1.0)
+    decode = next(line for line in frame.splitlines() if "10.0.0.6:8001" in line)
+    assert decode.split()[-3:] == ["340", "75%", "yes"]
+    prefill = next(line for line in frame.splitlines() if "10.0.0.5:8001" in line)
+    assert prefill.split()[-3:] == ["0", "-", "no"]  # chosen by load alone, no events

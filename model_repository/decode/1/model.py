@@ -37,16 +37,26 @@ class TritonPythonModel:
                 on_admit=self.metrics.on_admit,
             )
         self.max_num_seqs = p.decode_max_num_seqs
+        self.last_load = (0, 0)
         self.kv_bytes_per_token = max(load_model_args(p.engine_dir).kv_bytes_per_token, 1)
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.service = DecodeService(
             engine,
             cancels,
-            on_step=self.metrics.on_step,
+            on_step=self._on_step,
             stream_interval=p.decode_stream_interval,
             batch_slots=p.decode_max_num_seqs,
         ).start()
         self.pid = os.getpid()
+        # frontends elsewhere follow what its prefix cache holds, and its load (kvevents.py)
+        self.kv_events = decode_side.publish_kv_events(p, args, engine, self.kv_bytes_per_token)
+
+    def _on_step(self, stats) -> None:
+        self.metrics.on_step(stats)
+        load = (stats.num_running, stats.num_waiting)
+        if getattr(self, "kv_events", None) is not None and load != self.last_load:
+            self.last_load = load
+            self.kv_events.nudge()  # the frontends hear of it now, not a heartbeat later
 
     def _load(self) -> tuple[int, int, int, int]:
         s = self.service.engine.stats()
@@ -74,5 +84,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.service.stop()
         pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)

@@ -23,6 +23,19 @@ from disagg.triton import bls, pb, pb_metrics, pools, runner
 BATCHED = True  # max_batch_size > 0: tensors carry a batch dimension (of 1)
 
 
+def route_params(p: OrchestratorParams):
+    """How the replicas of a pool on other servers are chosen (remote/cache_route.py)."""
+    from disagg.remote.cache_route import RouteParams
+
+    return RouteParams(
+        choice=p.replica_choice,
+        load_weight=p.replica_load_weight,
+        overload=p.replica_overload,
+        block_size=p.engine_config().block_size,
+        capacity_tokens=p.prefix_cache_tokens,
+    )
+
+
 class TritonPythonModel:
     def initialize(self, args):
         pb.configure_logging()
@@ -49,9 +62,9 @@ class TritonPythonModel:
             # a failed decode is continued by another replica or instance, or the restarted one
             migration_limit=p.migration_limit,
             decode_recover_s=p.decode_recover_s,
-            # where this server's pools left each prompt's K/V (pools elsewhere choose their
-            # replicas by load: which one holds a prompt is not known here; nor which of
-            # several decode instances Triton hands a request to)
+            # where this server's pools left each prompt's K/V (pools elsewhere are followed
+            # per replica: remote/cache_route.py; which of several decode instances Triton
+            # hands a request to is not known here)
             locality=None
             if p.prefill_replicas or p.decode_replicas
             else PrefixLocality(p.prefix_cache_tokens, track_decode=p.decode_instances == 1),
@@ -80,7 +93,10 @@ class TritonPythonModel:
             from disagg.remote.pools import GrpcPrefillPool
 
             return GrpcPrefillPool(
-                p.prefill_replicas, timeout_s=p.prefill_timeout_s, cancels=cancels
+                p.prefill_replicas,
+                timeout_s=p.prefill_timeout_s,
+                cancels=cancels,
+                route=route_params(p),
             )
         return pools.BlsPrefillPool(p.prefill_model, p.prefill_timeout_s)
 
@@ -89,7 +105,7 @@ class TritonPythonModel:
         if p.decode_replicas:
             from disagg.remote.pools import GrpcDecodePool
 
-            return GrpcDecodePool(p.decode_replicas)
+            return GrpcDecodePool(p.decode_replicas, route=route_params(p))
         return pools.BlsDecodePool(p.decode_model, cancels)
 
     def _parse(self, request):
@@ -109,6 +125,9 @@ class TritonPythonModel:
 
     def finalize(self):
         self.replica_metrics.stop()
+        for pool in (self.orchestrator.prefill_pool, self.orchestrator.decode_pool):
+            if hasattr(pool, "replicas"):  # stop following their KV events
+                pool.replicas.close()
         self.runner.shutdown()
         bls.FINISHED_STREAMS.clear()  # before the stub exits, as below
         pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)

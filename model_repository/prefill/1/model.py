@@ -49,10 +49,13 @@ class TritonPythonModel:
         self.kv = None
         if p.kv_pull:
             self.kv = prefill_side.KVLeaseServer.start(p, args, self.metrics.leased_bytes)
+        # frontends elsewhere follow what its prefix cache holds (kvevents.py)
+        self.kv_events = prefill_side.publish_kv_events(p, args, self.engine)
 
     def finalize(self):
-        if getattr(self, "kv", None) is not None:
-            self.kv.close()
+        for server in (getattr(self, "kv", None), getattr(self, "kv_events", None)):
+            if server is not None:
+                server.close()
         pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)
 
     def execute(self, requests):

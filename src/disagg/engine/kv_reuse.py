@@ -6,6 +6,7 @@ pages: `prefix_cache.py`'s design note."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,7 +17,13 @@ from disagg.engine.config import EngineConfig, ModelArgs
 from disagg.engine.kernels import CPU
 from disagg.engine.kv_payload import KVPayload, check_start
 from disagg.engine.model import KVCacheSlots, zeros_kv
-from disagg.engine.prefix_cache import BlockHash, PrefixCache, block_hashes, root_hash
+from disagg.engine.prefix_cache import (
+    BlockHash,
+    CacheEvent,
+    PrefixCache,
+    block_hashes,
+    root_hash,
+)
 from disagg.errors import KVPayloadError, KVPrefixMissError
 
 if TYPE_CHECKING:
@@ -78,6 +85,22 @@ class KVReuse:
 
     def hashes(self, token_ids: Seq[int], salt: str) -> list[BlockHash]:
         return block_hashes(self._root, token_ids, self.block_size, salt)
+
+    @property
+    def root(self) -> BlockHash:
+        """What this cache's chains start from (a frontend hashes prompts from it)."""
+        return self._root
+
+    def publish(self, on_event: CacheEvent) -> None:
+        """From now on every block stored or evicted goes to `on_event`, in order, called
+        under this cache's lock (kvevents.py)."""
+        with self._lock:
+            self.index.on_event = on_event
+
+    def snapshot(self, seq: Callable[[], int]) -> tuple[int, list[BlockHash]]:
+        """(`seq()`, every block held) at one instant: no event falls between the two."""
+        with self._lock:
+            return seq(), self.index.hashes()
 
     def load_prompt(
         self, prompt_ids: Seq[int], salt: str, cache: KVCacheSlots, slot: int

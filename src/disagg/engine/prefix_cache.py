@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -77,9 +78,15 @@ class PrefixCacheStats:
         return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
 
 
+# what a cache did, in order: ("stored" | "removed", the block hashes), for KV events
+CacheEvent = Callable[[str, list[BlockHash]], None]
+STORED, REMOVED = "stored", "removed"
+
+
 class PrefixCache:
     """Block hash -> block id, least recently used first. Not thread-safe: one engine thread
-    (or the engine's lock) uses it."""
+    (or the engine's lock) uses it. `on_event`, when set, hears every block stored and
+    evicted, in the order they happened (kvevents.py publishes them to frontends)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         assert num_blocks > 0 and block_size > 0
@@ -88,6 +95,7 @@ class PrefixCache:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._pins: dict[int, int] = {}  # block id -> copies in progress
         self.stats = PrefixCacheStats(num_blocks, block_size)
+        self.on_event: CacheEvent | None = None
 
     def match(self, hashes: Seq[BlockHash], *, count: bool = True) -> list[int]:
         """Block ids of the longest cached prefix of `hashes`, pinned until `release`.
@@ -122,29 +130,50 @@ class PrefixCache:
         blocks. Blocks that find no room are skipped (and the ones after them: a chain with
         a hole is never matched past it)."""
         out = []
+        events: list[tuple[str, BlockHash]] = []  # in order: an eviction may hit this chain
         for i, h in enumerate(hashes):
             if h in self._blocks:
                 self._blocks.move_to_end(h)
                 continue
-            block = self._take_block()
+            block = self._take_block(events)
             if block is None:
                 break
             self._blocks[h] = block
             out.append((i, block))
+            events.append((STORED, h))
         self.stats.num_stored_blocks += len(out)
         self.stats.num_used_blocks = len(self._blocks)
+        if self.on_event is not None:
+            for kind, run in _runs(events):
+                self.on_event(kind, run)
         return out
 
-    def _take_block(self) -> int | None:
+    def _take_block(self, events: list[tuple[str, BlockHash]]) -> int | None:
         if self._free:
             return self._free.pop()
         for h, block in self._blocks.items():  # oldest first
             if block not in self._pins:
                 del self._blocks[h]
                 self.stats.num_evicted_blocks += 1
+                events.append((REMOVED, h))
                 return block
         return None
+
+    def hashes(self) -> list[BlockHash]:
+        """Every block held now, least recently used first."""
+        return list(self._blocks)
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._blocks)
+
+
+def _runs(events: list[tuple[str, BlockHash]]) -> list[tuple[str, list[BlockHash]]]:
+    """Consecutive events of one kind together, order kept."""
+    out: list[tuple[str, list[BlockHash]]] = []
+    for kind, h in events:
+        if out and out[-1][0] == kind:
+            out[-1][1].append(h)
+        else:
+            out.append((kind, [h]))
+    return out

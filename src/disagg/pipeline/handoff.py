@@ -3,13 +3,15 @@ and which path a payload took. No Triton, no torch.
 
 Decode keeps the prompt and reply blocks of the sequences it ran (engine/prefix_cache.py), so
 a conversation's next turn finds its earlier turns there. The orchestrator's record of that
-(prefix_locality.py) says how many leading prompt tokens decode probably holds; the prefill
-pool still computes the whole prompt (its own prefix cache spares it what it prefilled
-before), but packs only the positions after those. Decode copies the rest from its cache when
-the hand-off arrives; if it no longer holds them (evicted, restarted, a guess made by another
-orchestrator) it says so (KVPrefixMissError) and the orchestrator hands the whole prompt off
-again: the prefill pool finds all of that prompt's full blocks in its cache by then, so the
-second prefill computes only the last partial block.
+(prefix_locality.py; across servers, the decode replica's own KV events followed by the
+frontend: remote/cache_route.py) says how many leading prompt tokens decode probably holds;
+the prefill pool still computes the whole prompt (its own prefix cache spares it what it
+prefilled before), but packs only the positions after those. Decode copies the rest from its
+cache when the hand-off arrives; if it no longer holds them (evicted, restarted, a guess made
+by another orchestrator) it says so (KVPrefixMissError) and the orchestrator hands the whole
+prompt off again (across servers, to the same replica): the prefill pool finds all of that
+prompt's full blocks in its cache by then, so the second prefill computes only the last
+partial block.
 """
 
 from __future__ import annotations

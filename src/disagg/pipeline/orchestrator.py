@@ -353,6 +353,8 @@ class Orchestrator:
         cached = {DECODE: 0, PREFILL: 0}
         if self.locality is not None and req.params.use_cache:
             cached = self.locality.cached(req.prompt_ids, req.params.cache_salt)
+        if (place := getattr(self.decode_pool, "place", None)) is not None:  # remote/pools.py
+            cached[DECODE] = place(req.request_id, req.prompt_ids, req.params)
         if self.mode == CONDITIONAL:
             decision = self.cost_model.decide(
                 n, self.load.snapshot(), cached_local=cached[DECODE], cached_remote=cached[PREFILL]

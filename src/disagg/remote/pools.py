@@ -9,9 +9,14 @@ after the first response sent as outputs. What differs across hosts:
 - the caller's liveness is the gRPC stream itself: when this process dies its streams close,
   Triton cancels their requests and decode drops them; a stream that breaks is the callee
   gone (PoolError);
-- a replica is chosen per request by load (replicas.ReplicaSet); prefill tries the next
-  replica when one fails to answer, and raises PoolError when none does (the orchestrator
-  then has decode prefill the prompt itself).
+- a replica is chosen per request by the prompt blocks each holds and its load
+  (cache_route.py: from the KV events the replicas publish, followed from here), or by load
+  alone (replicas.ReplicaSet); prefill tries the next replica when one fails to answer, and
+  raises PoolError when none does (the orchestrator then has decode prefill the prompt);
+- decode is placed before prefill runs (`place`), so the hand-off may leave out what that
+  replica holds; a replica that lacks it after all answers with a prefix miss, and the
+  whole prompt's K/V goes to the same replica (a miss is an answer, not an unreachable
+  replica: it is never ejected for one).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import grpc
@@ -32,7 +38,8 @@ from disagg.codec.pools import DecodeCall, DecodeStepResponse, PrefillCall, Pref
 from disagg.codec.tensors import Arrays, gather, raise_for_failure, triton_dtype
 from disagg.contracts import DecodeStep, Handoff
 from disagg.engine.sequence import SamplingParams
-from disagg.errors import PoolError, RequestCancelledError
+from disagg.errors import KVPrefixMissError, PoolError, RequestCancelledError
+from disagg.remote.cache_route import Follower, PromptKey, RouteParams
 from disagg.remote.replicas import Replica, ReplicaSet
 
 log = logging.getLogger("disagg.remote")
@@ -67,6 +74,10 @@ def grpc_status(e: InferenceServerException) -> grpc.StatusCode | None:
 
 
 def _unreachable(e: InferenceServerException) -> bool:
+    """The replica did not take the request. A model's prefix miss is its answer, whatever
+    status carries it (its error code is UNAVAILABLE): never a reason to eject it."""
+    if C.split_error(e.message() or str(e))[0] is C.PREFIX_MISS:
+        return False
     return grpc_status(e) in _UNREACHABLE
 
 
@@ -100,6 +111,43 @@ class ClientCache:
         except Exception:
             return False
 
+    def events_port(self, address: str, model: str) -> tuple[int, int] | None:
+        """(where the replica's `model` publishes KV events, 0: nowhere; its instance count)
+        from the model's config, or None while it does not answer."""
+        try:
+            config = self.get(address).get_model_config(model, as_json=True, client_timeout=2.0)
+        except Exception:
+            return None
+        config = config.get("config", {})
+        port = config.get("parameters", {}).get("kv_events_port", {}).get("string_value", "0")
+        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", []))
+        return int(port or 0), max(instances, 1)
+
+
+def replica_set(
+    spec: str, clients: ClientCache, model: str, route: RouteParams | None, decode: bool = False
+) -> ReplicaSet:
+    """A pool's replicas, each followed by its KV events when the route asks for them."""
+
+    def probe(address: str) -> bool:
+        return clients.probe(address, model)
+
+    def discover(address: str) -> tuple[int, int] | None:
+        return clients.events_port(address, model)
+
+    def follow(r: Replica, lost: Callable[[str], None]) -> Follower:
+        return Follower(r.address, r.cache, discover, C.internal_token(), lost).start()
+
+    events = route is not None and route.events
+    return ReplicaSet(
+        spec, probe=probe, route=route, follow=follow if events else None, decode=decode
+    )
+
+
+def _key(prompt_ids: list[int] | None, params: SamplingParams) -> PromptKey | None:
+    """The prompt as replicas' caches know it; None where the cache is not to be used."""
+    return PromptKey(prompt_ids, params.cache_salt) if prompt_ids and params.use_cache else None
+
 
 class GrpcPrefillPool:
     """With `cancels`, a call whose request is marked cancelled there (its client left) is
@@ -114,6 +162,7 @@ class GrpcPrefillPool:
         tries: int = 2,
         cancels: CancelRegistry | None = None,
         cancel_poll_s: float = 0.02,
+        route: RouteParams | None = None,
     ) -> None:
         self.model = model
         self.timeout_s = timeout_s
@@ -121,21 +170,27 @@ class GrpcPrefillPool:
         self.cancels = cancels
         self.cancel_poll_s = cancel_poll_s
         self.clients = ClientCache()
-        self.replicas = ReplicaSet(replicas, probe=lambda a: self.clients.probe(a, model))
+        self.replicas = replica_set(replicas, self.clients, model, route)
 
     def prefill(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, skip_tokens: int = 0
     ) -> Handoff:
         tried: set[str] = set()
         last = "no prefill replica is up"
+        key = _key(prompt_ids, params)
         for _ in range(self.tries):
-            replica = self.replicas.choose(exclude=tried)
-            if replica is None:
+            choice = self.replicas.choose_for(key, exclude=tried)
+            if choice is None:
                 break
+            replica = choice.replica
             tried.add(replica.address)
             try:
-                with self.replicas.using(replica):
-                    return self._call(replica, request_id, prompt_ids, params, skip_tokens)
+                work = len(prompt_ids) - int(choice.held.expected)  # what it has to compute
+                with self.replicas.using(replica, work):
+                    handoff = self._call(replica, request_id, prompt_ids, params, skip_tokens)
+                if key is not None:
+                    replica.cache.record(key)
+                return handoff
             except InferenceServerException as e:
                 if not _unreachable(e):
                     _raise_for_error(e, f"prefill at {replica.address}")
@@ -183,13 +238,51 @@ class GrpcDecodePool:
     """Each request is its own gRPC stream (a channel per replica, shared), so cancelling one
     (stop_stream with cancel_requests) ends only that request on the decode server."""
 
-    def __init__(self, replicas: str, model: str = "decode", stall_s: float = 300.0) -> None:
+    MAX_PLACED = 4096  # placements kept for requests that never came to decode
+
+    def __init__(
+        self,
+        replicas: str,
+        model: str = "decode",
+        stall_s: float = 300.0,
+        route: RouteParams | None = None,
+    ) -> None:
         self.model = model
         self.stall_s = stall_s  # no response for this long: the replica is hung
         self.clients = ClientCache()
-        self.replicas = ReplicaSet(replicas, probe=lambda a: self.clients.probe(a, model))
+        self.replicas = replica_set(replicas, self.clients, model, route, decode=True)
         self._streams: dict[str, grpcclient.InferenceServerClient] = {}
+        self._placed: OrderedDict[str, Replica] = OrderedDict()  # request id -> its replica
         self._lock = threading.Lock()
+
+    def place(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Choose the replica that will decode this request now, before its prefill: the
+        leading prompt tokens it surely holds (the hand-off may leave them out)."""
+        choice = self.replicas.choose_for(_key(prompt_ids, params))
+        if choice is None:
+            return 0
+        self._pin(request_id, choice.replica)
+        return choice.held.sure
+
+    def _pin(self, request_id: str, replica: Replica) -> None:
+        with self._lock:
+            self._placed[request_id] = replica
+            while len(self._placed) > self.MAX_PLACED:
+                self._placed.popitem(last=False)
+
+    def _replica_for(self, request_id: str, key: PromptKey | None) -> Replica:
+        with self._lock:
+            placed = self._placed.pop(request_id, None)
+        if (
+            placed is not None
+            and placed.ejected_until == 0.0
+            and any(r is placed for r in self.replicas.replicas)  # (not gone from DNS since)
+        ):
+            return placed
+        choice = self.replicas.choose_for(key)
+        if choice is None:
+            raise PoolError("decode: no decode replica is up")
+        return choice.replica
 
     def generate(
         self,
@@ -199,12 +292,23 @@ class GrpcDecodePool:
         handoff: Handoff | None = None,
         prompt_ids: list[int] | None = None,
     ) -> Iterator[DecodeStep]:
-        replica = self.replicas.choose()
-        if replica is None:
-            raise PoolError("decode: no decode replica is up")
+        key = _key(prompt_ids, params)
+        replica = self._replica_for(request_id, key)
         inputs = grpc_inputs(DecodeCall.encode(params, handoff, prompt_ids))
-        with self.replicas.using(replica):
-            yield from self._stream(replica, request_id, inputs)
+        tokens = [handoff.first_token] if handoff is not None else []
+        work = len(prompt_ids or ()) + params.max_tokens  # the KV it reserves there
+        with self.replicas.using(replica, work):
+            try:
+                for step in self._stream(replica, request_id, inputs):
+                    tokens += step.token_ids
+                    yield step
+            except KVPrefixMissError:
+                if key is not None:
+                    replica.cache.forget(key)
+                self._pin(request_id, replica)  # the whole prompt's K/V goes to it next
+                raise
+        if key is not None and prompt_ids:  # its K/V: the prompt and all but the last token
+            replica.cache.record(PromptKey(prompt_ids + tokens[:-1], params.cache_salt))
 
     def _stream(
         self, replica: Replica, request_id: str, inputs: list[grpcclient.InferInput]
@@ -233,7 +337,7 @@ class GrpcDecodePool:
                     self.replicas.eject(replica, "stalled")
                     raise PoolError(f"{what}: no response in {self.stall_s:.0f} s") from None
                 if error is not None:
-                    if _unreachable(error):
+                    if _unreachable(error):  # (a prefix miss never is)
                         self.replicas.eject(replica, str(error))
                         raise PoolError(f"{what}: decode worker unreachable mid-request: "
                                         f"{error.message() or error}")  # fmt: skip
@@ -259,6 +363,7 @@ class GrpcDecodePool:
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
+            self._placed.pop(request_id, None)
             client = self._streams.get(request_id)
         if client is not None:
             client.stop_stream(cancel_requests=True)

@@ -8,12 +8,15 @@ many (a Kubernetes headless Service), re-resolved every `resolve_s`:
     "file:/etc/disagg/prefill.txt"     the host:port lines of a file, re-read (a list that
                                        configuration management or a script keeps)
 
-No coordinator (etcd, NATS) is involved. A replica is chosen by load: for decode, what the
-server itself reported with its last responses (sequences waiting for a slot first, then
-running ones: other frontends' included; then the most free KV cache) while that report is
-fresh (`report_s`), else the requests this frontend has outstanding on it; ties in turn.
-One that fails a connection is ejected for `eject_s` and is only readmitted once its health
-probe (Triton's model-ready) passes; a new address joins once its probe passes.
+No coordinator (etcd, NATS) is involved. A request that names its prompt is given the
+replica of least cost by the blocks each holds and its load (cache_route.py, replica_choice
+cache_aware). Otherwise, or with replica_choice load, a replica is chosen by load alone: for
+decode, what the server itself reported with its last responses (sequences waiting for a
+slot first, then running ones: other frontends' included; then the most free KV cache)
+while that report is fresh (`report_s`), else the requests this frontend has outstanding on
+it; ties in turn. One that fails a connection, or whose KV event stream breaks, is ejected
+for `eject_s` and is only readmitted once its health probe (Triton's model-ready) passes; a
+new address joins once its probe passes.
 """
 
 from __future__ import annotations
@@ -26,8 +29,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from disagg.errors import ConfigError
+from disagg.remote.cache_route import (
+    Candidate,
+    Held,
+    PromptKey,
+    ReplicaCache,
+    RouteParams,
+    decode_candidate,
+    pick,
+)
 
 log = logging.getLogger("disagg.remote")
 
@@ -46,6 +59,21 @@ class Replica:
     # free KV tokens or -1)
     reported: tuple[int, int, int, int] | None = None
     reported_at: float = 0.0
+    cache: ReplicaCache = field(default_factory=ReplicaCache, compare=False)
+    work_tokens: int = 0  # tokens of work this frontend has in flight on it
+    prompt_tokens: int = 0  # prompt tokens of the requests chosen for it, by the cache view
+    held_tokens: int = 0  # ... of those, the ones it held when chosen
+    follower: Follower | None = field(default=None, compare=False)
+
+
+class Follower(Protocol):
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Choice:
+    replica: Replica
+    held: Held  # what it holds of the prompt (0 when chosen by load alone)
 
 
 def parse_spec(spec: str) -> tuple[list[str], tuple[str, int] | None]:
@@ -90,8 +118,18 @@ class ReplicaSet:
         resolver: Callable[[str, int], list[str]] = resolve,
         clock: Callable[[], float] = time.monotonic,
         report_s: float = 2.0,
+        route: RouteParams | None = None,
+        follow: Callable[[Replica, Callable[[str], None]], Follower] | None = None,
+        decode: bool = False,
     ) -> None:
+        """`route`: how a prompt's replica is chosen (None: by load alone). `follow(r,
+        lost)` starts following a new replica's KV events (the returned object stops it when
+        r leaves; `lost(why)` ejects r when a stream that was up ends). `decode`: the
+        replicas report a decode engine's load."""
         self.report_s = report_s
+        self.route = route
+        self.follow = follow
+        self.decode = decode
         self.fixed, self.dns = parse_spec(spec)
         self.probe = probe
         self.resolve_s = resolve_s
@@ -116,11 +154,26 @@ class ReplicaSet:
         with self._lock:
             for a in addresses:
                 if a not in self._replicas:
-                    self._replicas[a] = Replica(a, order=len(self._replicas))
+                    r = self._replicas[a] = Replica(a, order=len(self._replicas))
+                    if self.route is not None:
+                        r.cache = ReplicaCache(self.route.capacity_tokens, self.route.block_size)
+                    if self.follow is not None:
+                        r.follower = self.follow(r, self._ejector(r))
                     log.info("replica %s found", a)
             for a in set(self._replicas) - set(addresses):
                 log.info("replica %s is gone from %s", a, self.dns or self.fixed)
-                del self._replicas[a]
+                gone = self._replicas.pop(a)
+                if gone.follower is not None:
+                    gone.follower.stop()
+
+    def _ejector(self, r: Replica) -> Callable[[str], None]:
+        return lambda why: self.eject(r, f"its KV events: {why}")
+
+    def close(self) -> None:
+        """Stop following every replica's events."""
+        for r in self.replicas:
+            if r.follower is not None:
+                r.follower.stop()
 
     def _maybe_resolve(self, now: float) -> None:
         if self.dns is None or now < self._next_resolve:
@@ -148,6 +201,14 @@ class ReplicaSet:
 
     def choose(self, exclude: set[str] | frozenset[str] = frozenset()) -> Replica | None:
         """The least loaded usable replica not in `exclude`, or None."""
+        choice = self.choose_for(None, exclude)
+        return None if choice is None else choice.replica
+
+    def choose_for(
+        self, key: PromptKey | None, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> Choice | None:
+        """The usable replica not in `exclude` that should serve `key` (by cost, when the
+        route is cache-aware and the prompt is given; else the least loaded), or None."""
         now = self.clock()
         self._maybe_resolve(now)
         candidates = [r for r in self.replicas if r.address not in exclude and self._usable(r, now)]
@@ -155,7 +216,25 @@ class ReplicaSet:
             return None
         turn = next(self._turn)
         n = len(candidates)
-        return min(candidates, key=lambda r: (*self._load(r, now), (r.order - turn) % n))
+        candidates.sort(key=lambda r: (r.order - turn) % n)  # ties in turn
+        if key is None or self.route is None or not self.route.cache_aware:
+            best = min(candidates, key=lambda r: self._load(r, now))
+            return Choice(best, Held(0.0, 0))
+        held = [r.cache.held(key) for r in candidates]
+        scored = [self._candidate(r, h, now) for r, h in zip(candidates, held, strict=True)]
+        i = pick(len(key), scored, self.route)
+        best = candidates[i]
+        with self._lock:
+            best.prompt_tokens += len(key)
+            best.held_tokens += round(held[i].expected)
+        return Choice(best, held[i])
+
+    def _candidate(self, r: Replica, held: Held, now: float) -> Candidate:
+        if not self.decode:  # prefill: the work this frontend queued there
+            return Candidate(held.expected, r.work_tokens)
+        fresh = r.reported is not None and now - r.reported_at <= self.report_s
+        load = r.cache.load(self.report_s)
+        return decode_candidate(held.expected, load, r.reported if fresh else None, r.work_tokens)
 
     def _load(self, r: Replica, now: float) -> tuple[int, int, int]:
         """(waiting, busy, -free KV) of a replica: its own report while fresh (busy: at least
@@ -172,6 +251,7 @@ class ReplicaSet:
         replica.reported_at = self.clock()
 
     def eject(self, replica: Replica, why: str) -> None:
+        replica.cache.reset()  # it may come back restarted: what it held is not known
         with self._lock:
             replica.failures += 1
             if replica.ejected_until == 0.0:
@@ -181,12 +261,19 @@ class ReplicaSet:
             replica.ejected_until = self.clock() + self.eject_s
 
     @contextlib.contextmanager
-    def using(self, replica: Replica) -> Iterator[Replica]:
+    def using(self, replica: Replica, work_tokens: int = 0) -> Iterator[Replica]:
+        """A request in flight on `replica`, with `work_tokens` of work there (its load)."""
         with self._lock:
             replica.outstanding += 1
             replica.requests += 1
+            replica.work_tokens += work_tokens
+        if self.decode:  # (the KV it reserves there, until its heartbeat says so)
+            replica.cache.shift(work_tokens)
         try:
             yield replica
         finally:
             with self._lock:
                 replica.outstanding -= 1
+                replica.work_tokens -= work_tokens
+            if self.decode:
+                replica.cache.shift(-work_tokens)

@@ -59,6 +59,8 @@ def plan(
                 "DISAGG_GRPC_PORT": str(base + 1),
                 "DISAGG_METRICS_PORT": str(base + 2),
                 "DISAGG_KV_PORT": str(base + 5),
+                # its prefix cache's events, instance i on base + 6 + i (kvevents.py)
+                "DISAGG_KV_EVENTS_PORT": str(base + 6),
                 "DISAGG_BUILD_DIR": str(build_dir / f"{role}-{i}"),
             }
             nodes.append(Node(f"{role}-{i}", role, env))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as C
-from disagg import kvnet
+from disagg import kvevents, kvnet
 from disagg.codec.pools import DecodeCall, DecodeStepResponse
 from disagg.codec.tensors import Array
 from disagg.engine.sequence import SamplingParams
@@ -22,7 +22,8 @@ from disagg.triton.bls import CallerWatch, failure_response
 from disagg.triton.pb import FINAL, input_arrays, tensors
 
 if TYPE_CHECKING:
-    from disagg.engine.llm_engine import PrefillResult
+    from disagg.engine.llm_engine import DecodeEngine, PrefillResult
+    from disagg.model_params import DecodeParams
 
 
 def resolve_kv_reference(data: bytes | memoryview, timeout_s: float = 30.0) -> Any:
@@ -88,3 +89,28 @@ class SenderSink:
 
     def is_cancelled(self) -> bool:
         return bool(self.caller.gone() or self.sender.is_cancelled())
+
+
+def heartbeat(engine: DecodeEngine, slots: int, kv_bytes_per_token: int) -> dict[str, int]:
+    """The decode engine's load, for the frontends' replica choice (remote/cache_route.py)."""
+    s = engine.stats()
+    load = {"running": s.num_running, "waiting": s.num_waiting, "slots": slots}
+    if s.kv_bytes_reserved is not None and s.kv_bytes_capacity is not None:
+        load["kv_used_tokens"] = s.kv_bytes_reserved // kv_bytes_per_token
+        load["kv_capacity_tokens"] = s.kv_bytes_capacity // kv_bytes_per_token
+    return load
+
+
+def publish_kv_events(
+    p: DecodeParams, args: dict[str, Any], engine: DecodeEngine, kv_bytes_per_token: int
+) -> kvevents.Publisher | None:
+    """This instance's prefix cache events and load for frontends elsewhere (None:
+    kv_events_port 0, or no prefix cache)."""
+    config = p.engine_config()
+    return kvevents.publish(
+        getattr(engine, "kv_reuse", None), C.internal_token(), pool="decode",
+        instance_name=str(args.get("model_instance_name", "")), host=p.host,
+        port=p.kv_events_port, block_size=config.block_size,
+        capacity_blocks=config.num_prefix_cache_blocks,
+        load=lambda: heartbeat(engine, p.decode_max_num_seqs, kv_bytes_per_token),
+    )  # fmt: skip

@@ -265,7 +265,11 @@ class ReplicaMetrics:
         self.sets = {pool: rs for pool, rs in replica_sets.items() if rs is not None}
         self.requests, self.ejections = Family(M.REPLICA_REQUESTS), Family(M.REPLICA_EJECTIONS)
         self.outstanding, self.up = Family(M.REPLICA_OUTSTANDING), Family(M.REPLICA_UP)
-        self._seen: dict[tuple[str, str], tuple[int, int]] = {}  # (pool, address) -> counts
+        self.prompt, self.held = Family(M.REPLICA_PROMPT_TOKENS), Family(M.REPLICA_HELD_TOKENS)
+        self.blocks, self.events = Family(M.REPLICA_CACHED_BLOCKS), Family(M.REPLICA_EVENTS_UP)
+        self.evicted = Family(M.REPLICA_EVICTED_BLOCKS)
+        # (pool, address) -> the counts already exported
+        self._seen: dict[tuple[str, str], tuple[int, ...]] = {}
         self.interval_s = interval_s
         self._stop = threading.Event()
         if self.sets:
@@ -279,12 +283,18 @@ class ReplicaMetrics:
         for pool, rs in self.sets.items():
             for r in rs.replicas:
                 labels = {"pool": pool, "replica": r.address}
-                requests, ejections = self._seen.get((pool, r.address), (0, 0))
-                self.requests.inc(r.requests - requests, **labels)
-                self.ejections.inc(r.ejections - ejections, **labels)
-                self._seen[(pool, r.address)] = (r.requests, r.ejections)
+                counters = (self.requests, self.ejections, self.prompt, self.held, self.evicted)
+                counts = (r.requests, r.ejections, r.prompt_tokens, r.held_tokens,
+                          r.cache.num_evicted)  # fmt: skip
+                seen = self._seen.get((pool, r.address), (0,) * len(counts))
+                for family, now, before in zip(counters, counts, seen, strict=True):
+                    family.inc(max(now - before, 0), **labels)  # (a view restarts from 0)
+                self._seen[(pool, r.address)] = counts
                 self.outstanding.set(r.outstanding, **labels)
                 self.up.set(0.0 if r.ejected_until else 1.0, **labels)
+                self.blocks.set(r.cache.num_blocks, **labels)
+                live = r.cache.views and all(v.live for v in r.cache.views)
+                self.events.set(1.0 if live else 0.0, **labels)
 
     def stop(self) -> None:
         self._stop.set()

@@ -11,7 +11,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as C
-from disagg import kvnet
+from disagg import kvevents, kvnet
 from disagg.cancel import CancelRegistry, Throttled
 from disagg.codec.pools import PrefillCall, PrefillInput, PrefillResponse
 from disagg.codec.tensors import Array
@@ -19,6 +19,7 @@ from disagg.kvnet import KVLeases, KVRef, KVServer
 from disagg.triton.pb import input_arrays, tensors
 
 if TYPE_CHECKING:
+    from disagg.engine.prefill_engine import PrefillEngine
     from disagg.model_params import PrefillParams
 
 
@@ -82,3 +83,16 @@ class KVLeaseServer:
 
     def close(self) -> None:
         self.server.close()
+
+
+def publish_kv_events(
+    p: PrefillParams, args: dict[str, Any], engine: PrefillEngine
+) -> kvevents.Publisher | None:
+    """This instance's prefix cache events for frontends elsewhere (None: kv_events_port 0
+    or no prefix cache)."""
+    return kvevents.publish(
+        engine.kv_reuse, C.internal_token(), pool="prefill",
+        instance_name=str(args.get("model_instance_name", "")), host=p.host,
+        port=p.kv_events_port, block_size=engine.config.block_size,
+        capacity_blocks=engine.config.num_prefix_cache_blocks,
+    )  # fmt: skip
