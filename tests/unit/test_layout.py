@@ -219,3 +219,10 @@ def test_the_engine_layers_have_a_package_of_their_own():
     assert {"model", "scheduler", "block_manager", "sequence", "llm_engine"} <= engine
     top = {p.stem for p in SRC.glob("*.py")}
     assert top.isdisjoint(engine - {"__init__"}), top & engine
+
+
+def test_test_file_basenames_are_unique():
+    """pytest imports test modules by basename (rootdir-relative, no packages): two files
+    of one name in different layers stop the whole run at collection."""
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
