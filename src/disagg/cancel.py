@@ -104,18 +104,21 @@ class CancelWatch:
                 self.cancels.clear(request_id)
 
     def poll(self) -> list[str]:
-        """Ask every check once; mark the ids newly cancelled (returned)."""
+        """Ask every check once; mark the ids newly cancelled (returned). The checks run under
+        the lock, so once `remove` returns no check of that request is running or will run:
+        a check asks Triton about the request (is_cancelled), and asking after its final
+        response crashed tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled:
+        the factory is freed with that response)."""
         with self._lock:
-            checks = [(rid, c) for rid, c in self._checks.items() if rid not in self._marked]
-        newly = []
-        for rid, check in checks:
-            try:
-                if check():
-                    newly.append(rid)
-            except Exception as e:  # a request that ended meanwhile, say: not cancelled
-                log.debug("request %s: cancel check failed: %s", rid, e)
-        with self._lock:
-            newly = [rid for rid in newly if rid in self._checks]  # not ended meanwhile
+            newly = []
+            for rid, check in list(self._checks.items()):
+                if rid in self._marked:
+                    continue
+                try:
+                    if check():
+                        newly.append(rid)
+                except Exception as e:  # not cancelled, as far as this can tell
+                    log.debug("request %s: cancel check failed: %s", rid, e)
             for rid in newly:
                 self._marked.add(rid)
                 self.cancels.mark(rid)

@@ -123,13 +123,20 @@ class RequestRunner(Generic[Req, Reply]):
         watch = None if to_bls else self.watch
         if watch is not None:
             watch.add(req.request_id, triton_cancelled)
+
+        def unwatch() -> None:  # before the final response: Triton frees the request with it
+            if watch is not None:
+                watch.remove(req.request_id)
+
         try:
             final = self.run(req, emit, is_cancelled)
+            unwatch()
             if caller.gone():
                 _log.warning("request %s: its caller died; dropped", req.request_id)
                 return
             sender.send(self.respond(final, requested), flags=FINAL)
         except Exception as e:
+            unwatch()
             _log.warning("request %s failed: %s", req.request_id, e)
             if caller.gone():
                 return
