@@ -30,9 +30,13 @@ def server_settings(engine_dir, build_dir, **overrides):
 
 
 def start_server(engine_dir, build_dir, **overrides):
+    return start_with(server_settings(engine_dir, build_dir, **overrides))
+
+
+def start_with(settings):
+    """A tritonserver of these settings, ready (stopped again if it never gets ready)."""
     from disagg.serve.server import TritonServer
 
-    settings = server_settings(engine_dir, build_dir, **overrides)
     server = TritonServer(settings, admin_key="test-admin-key")
     server.start()
     try:

@@ -14,12 +14,11 @@ import time
 
 import pytest
 import tritonclient.grpc as grpcclient
-from helpers.triton_server import eventually, metric, server_settings
+from helpers.triton_server import eventually, metric, server_settings, start_with
 
 from disagg import contracts as C
 from disagg.client import grpc_inputs
 from disagg.contracts import TOKEN_ENV
-from disagg.serve.server import TritonServer
 
 pytestmark = pytest.mark.integration
 PROMPT_TOKENS = 1800  # (max_model_len 2048 here)
@@ -67,19 +66,9 @@ def leave_after(url: str, text: str, after_s: float, before_any: bool = True) ->
     client.close()
 
 
-def start(settings) -> TritonServer:
-    server = TritonServer(settings, admin_key="test-admin-key").start()
-    try:
-        server.wait_ready(timeout_s=240)
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
-
 @pytest.fixture
 def local(engine_dir, tmp_path):
-    server = start(server_settings(engine_dir, tmp_path))
+    server = start_with(server_settings(engine_dir, tmp_path))
     yield server
     server.stop()
 
@@ -91,7 +80,7 @@ def looped(engine_dir, tmp_path, monkeypatch):
     monkeypatch.setenv(TOKEN_ENV, "cancel-test-token-0123456789")
     s = server_settings(engine_dir, tmp_path, kv_lease_s=120.0)
     own = f"127.0.0.1:{s.grpc_port}"
-    server = start(dataclasses.replace(s, prefill_replicas=own, decode_replicas=own))
+    server = start_with(dataclasses.replace(s, prefill_replicas=own, decode_replicas=own))
     yield server
     server.stop()
 
