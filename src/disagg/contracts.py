@@ -59,6 +59,10 @@ REPETITION_PENALTY = "repetition_penalty"  # FP32
 MIN_LENGTH = "min_length"  # INT32: min_tokens (the LLM API's and vLLM's name)
 STOP_TOKEN_IDS = "stop_token_ids"  # INT32 [-1]: besides end_id (the LLM API's and vLLM's)
 LOGIT_BIAS = "logit_bias"  # BYTES: JSON {"token id": bias}, as OpenAI's (TensorRT-LLM: none)
+# guided decoding, TensorRT-LLM's names: a type (json, json_schema, regex, ebnf_grammar, and
+# disagg's lark) and its text (the schema, the regex, the grammar; none for json)
+GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # BYTES
+GUIDED_DECODING_GUIDE = "guided_decoding_guide"  # BYTES
 
 # router-only inputs: routing hints (all optional)
 MODEL = "model"  # public model name (the OpenAI `model`); routing rules may match on it
@@ -202,6 +206,7 @@ def sampling_from_json(text: str) -> SamplingParams:
         data["stop"] = tuple(data.get("stop", ()))
         data["bad_words_ids"] = tuple(tuple(w) for w in data.get("bad_words_ids", ()))
         data["logit_bias"] = tuple((t, b) for t, b in data.get("logit_bias", ()))
+        data["guide_tokens"] = tuple(data.get("guide_tokens", ()))
         return SamplingParams(**data)
     except (ValueError, TypeError) as e:
         raise RequestError(f"malformed sampling parameters: {e}") from e

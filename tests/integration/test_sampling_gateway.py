@@ -3,9 +3,13 @@ tritonserver serving disaggregated (prefill samples the first token, decode the 
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from dataclasses import replace
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 from helpers.triton_server import start_server
 
@@ -20,8 +24,14 @@ ASK = [{"role": "user", "content": "What is the capital of France? Answer with o
 
 
 @pytest.fixture(scope="module")
-def client(engine_dir, tmp_path_factory):
+def server(engine_dir, tmp_path_factory):
     server = start_server(engine_dir, tmp_path_factory.mktemp("sampling"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
     (port,) = free_ports(1)
     gateway = GatewayProcess(
         replace(server.settings, gateway_port=port), env={"DISAGG_API_KEYS": KEY}
@@ -31,7 +41,6 @@ def client(engine_dir, tmp_path_factory):
         yield openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
     finally:
         gateway.stop()
-        server.stop()
 
 
 def chat(client, **kw):
@@ -84,3 +93,58 @@ def test_a_seeded_sampled_reply_is_reproducible_and_every_stream_counts_usage(cl
     )
     assert chunks[-1].usage.completion_tokens > 0 and not chunks[-1].choices
     assert all(c.usage is None for c in chunks[:-1])
+
+
+class Weather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=20)
+    unit: Literal["celsius", "fahrenheit"]
+    days: int = pydantic.Field(ge=1, le=14)
+
+
+WEATHER = [{"role": "user", "content": "Weather in Paris this week? Answer as JSON."}]
+
+
+def test_structured_outputs_through_every_door(client, server):
+    """The openai client's parse() (response_format from a pydantic model), a streamed
+    json_object reply, vLLM's structured_outputs on completions, and Triton's generate
+    endpoint with TensorRT-LLM's guided_decoding_* inputs."""
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=WEATHER, response_format=Weather, max_tokens=60
+    )
+    weather = parsed.choices[0].message.parsed
+    assert isinstance(weather, Weather) and parsed.choices[0].finish_reason == "stop"
+    ada = "Return a JSON object with the name and age of a person called Ada who is 36."
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ada}], max_tokens=60, stream=True,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert json.loads(text) == {"name": "Ada", "age": 36}  # greedy: as in-process
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    choice = client.completions.create(
+        model=MODEL, prompt="The colour of grass is", max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["green", "purple"]}},
+    )  # fmt: skip
+    assert choice.choices[0].text in ("green", "purple")
+    body = {
+        "text_input": "Is water wet?", "apply_chat_template": True, "max_tokens": 12,
+        "exclude_input_in_output": True, "guided_decoding_guide_type": "regex",
+        "guided_decoding_guide": "(Yes|No)!",
+    }  # fmt: skip
+    url = f"http://127.0.0.1:{server.settings.http_port}/v2/models/ensemble/generate"
+    req = urllib.request.Request(url, json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert json.loads(r.read())["text_output"] in ("Yes!", "No!")
+
+
+def test_guides_that_do_not_compile_get_400_naming_the_reason(client):
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/x"}}}
+    with pytest.raises(openai.BadRequestError, match="does not compile"):
+        chat(client, response_format=bad_schema)
+    with pytest.raises(openai.BadRequestError, match="does not compile"):
+        chat(client, extra_body={"guided_regex": "(unclosed"})
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, response_format={"type": "yaml"})
+    assert e.value.body["param"] == "response_format"
+    assert "Paris" in chat(client).choices[0].message.content  # the server is unharmed

@@ -3,21 +3,12 @@ control gives the same reply disaggregated (prefill samples the first token) as 
 
 import pytest
 
-from disagg.engine.llm_engine import DecodeEngine, PrefillEngine
 from disagg.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.model
 
 REPETITIVE = "Write a long story about a cat."  # greedy: 9 repeated tokens in 40
 SHORT = "What is the capital of France? Answer with one word."
-
-
-@pytest.fixture(scope="module")
-def engines(llm):
-    """One prefill and one decode engine for the module (building one costs seconds)."""
-    eos = {llm.tokenizer.eos_token_id}
-    prefill = PrefillEngine(llm.model, llm.config, eos_token_ids=eos)
-    return prefill, DecodeEngine(llm.model, llm.config, eos)
 
 
 def colocated(engines, prompt_ids, params) -> list[int]:

@@ -66,7 +66,17 @@ def test_chat_request_maps_to_router_inputs():
         ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": []}}, "response_format"),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+            "response_format",
+        ),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"yaml": "a"}}, "structured_outputs"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "x" * 70000}, "guided_regex"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "ten"}, "max_tokens"),
         ({"temperature": -1}, "temperature"),

@@ -19,7 +19,8 @@ from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, FALLBACK, De
 from disagg.engine.config import EngineConfig
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import KVPrefixMissError, PoolError, RequestError
-from disagg.pipeline.orchestrator import Orchestrator, OrchestratorEvents
+from disagg.pipeline.interfaces import OrchestratorEvents
+from disagg.pipeline.orchestrator import Orchestrator
 from disagg.pipeline.prefix_locality import PrefixLocality
 from disagg.pipeline.request import GenerateRequest, build_request
 

@@ -24,7 +24,8 @@ from disagg.engine.interrupt import until_stopped
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import PoolError, RequestCancelledError
 from disagg.kvnet import KVLeases, KVRef, KVServer
-from disagg.pipeline.orchestrator import Orchestrator, OrchestratorEvents
+from disagg.pipeline.interfaces import OrchestratorEvents
+from disagg.pipeline.orchestrator import Orchestrator
 from disagg.pipeline.request import GenerateRequest
 from disagg.remote import pools as remote_pools
 from disagg.remote.replicas import Replica

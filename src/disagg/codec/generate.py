@@ -64,6 +64,8 @@ GENERATION = Tensors(
         _optional(C.MIN_LENGTH, np.int32),
         _optional(C.STOP_TOKEN_IDS, np.int32, (-1,)),
         _optional(C.LOGIT_BIAS, np.object_),
+        _optional(C.GUIDED_DECODING_GUIDE_TYPE, np.object_),
+        _optional(C.GUIDED_DECODING_GUIDE, np.object_),
     )
 )
 # the prompt as chat messages, or text to wrap as a user turn (the router or the tokenizer
@@ -123,6 +125,8 @@ class GenerationFields:
     min_length: int = 0  # min_tokens
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), from LOGIT_BIAS's JSON
+    guide_type: str = ""  # guided decoding: engine/grammar.py
+    guide: str = ""
 
     @classmethod
     def parse(cls, fields: Mapping[str, Any]) -> GenerationFields:
@@ -155,6 +159,8 @@ class GenerationFields:
             min_length=int(fields.get(C.MIN_LENGTH, 0)),
             stop_token_ids=tuple(int(t) for t in fields.get(C.STOP_TOKEN_IDS, [])),
             logit_bias=parse_logit_bias(fields.get(C.LOGIT_BIAS, "")),
+            guide_type=str(fields.get(C.GUIDED_DECODING_GUIDE_TYPE, "")),
+            guide=str(fields.get(C.GUIDED_DECODING_GUIDE, "")),
         )
 
 

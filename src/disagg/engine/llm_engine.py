@@ -21,6 +21,7 @@ import torch
 
 from disagg.contracts import DecodeStats
 from disagg.engine.config import EngineConfig
+from disagg.engine.grammar import guide_for
 from disagg.engine.kv_payload import KVPayload
 from disagg.engine.kv_reuse import complete_handoff, kv_reuse_for
 from disagg.engine.model import KVCacheSlots, Llama
@@ -139,6 +140,7 @@ class DecodeEngine:
             pending_kv=pending,
             prompt_ids=list(prompt_ids) if prompt_ids is not None else [],
             use_cache=params.use_cache and self.kv_reuse is not None,
+            guide=guide_for(self.model, self.eos_token_ids, params),
         )
         with self._lock:
             if request_id in self._seqs:
@@ -207,6 +209,7 @@ class DecodeEngine:
             [s.output_ids for s in ready],
             [s.prompt_ids for s in ready],
             self.eos_token_ids,
+            [s.guide for s in ready],
         )
         self.num_steps += 1
         with self._lock:
@@ -278,7 +281,7 @@ class DecodeEngine:
             assert self.kv_reuse is not None
             self.kv_reuse.keep(seq, self.cache)
         first = sample_one(
-            logits.cpu(), seq.params, seq.seed, [], seq.prompt_ids, self.eos_token_ids
+            logits.cpu(), seq.params, seq.seed, [], seq.prompt_ids, self.eos_token_ids, seq.guide
         )
         seq.output_ids.append(first)
         reason = self.scheduler.stop_reason(seq)

@@ -9,10 +9,9 @@ Two entry points, one per phase:
 Weights are fused per layer (QKV in one matrix, gate+up in one) so each phase makes few,
 large matrix products. A quantized checkpoint's layers are served in its own blocks by
 default (engine/quant.py: a quarter of the bytes per decode step); dense weights are
-pre-packed once at load into oneDNN's blocked layout:
-on 2 cores its fp32 linear reads the weights 1.5-3x faster than torch's default (MKL)
-path at 1-32 rows, the decode batch sizes, and is no slower for prefill (measured in
-benchmarks/engine_bench.py). Without oneDNN, plain `F.linear` is used.
+pre-packed once at load into oneDNN's blocked layout: on 2 cores its fp32 linear reads the
+weights 1.5-3x faster than torch's default (MKL) path at 1-32 rows, the decode batch sizes,
+and is no slower for prefill (benchmarks/engine_bench.py). Else plain `F.linear`.
 
 The same code runs on a CUDA device (`device="cuda"`): weights, RoPE tables and the KV cache
 live there and linear layers are plain `F.linear` (cuBLAS); the engine samples on the CPU
@@ -146,6 +145,8 @@ class KVCacheSlots:
 
 
 class Llama:
+    engine_dir: Path | None = None  # set by load(): its tokenizer's, for guided decoding
+
     def __init__(
         self,
         args: ModelArgs,
@@ -245,12 +246,13 @@ class Llama:
         path = Path(engine_dir) / WEIGHTS_FILE
         if not path.is_file():
             raise ConfigError(f"{path} not found: rebuild the engine")
-        # refuse an unusable device or dtype before reading the weights
-        dev = resolve_device(device)
+        dev = resolve_device(device)  # refuse an unusable device or dtype before the weights
         matmul_dtype(compute_dtype, dev)
         blocks = quant.load_blocks(engine_dir) if weights == "auto" and dev.type == "cpu" else None
         dense = {k: v.to(torch.float32) for k, v in load_file(str(path)).items()}
-        return cls(args, dense, compute_dtype, device, blocks=blocks, activations=activations)
+        (model := cls(args, dense, compute_dtype, device, blocks=blocks, activations=activations))
+        model.engine_dir = Path(engine_dir)
+        return model
 
     # ------------------------------------------------------------ shared pieces
 

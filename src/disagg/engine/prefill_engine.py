@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from disagg.engine.config import EngineConfig
+from disagg.engine.grammar import guide_for
 from disagg.engine.kv_payload import KVPayload, check_start
 from disagg.engine.kv_reuse import kv_reuse_for
 from disagg.engine.model import KVCacheSlots, Llama, zeros_kv
@@ -81,6 +82,7 @@ class PrefillEngine:
         RequestCancelledError when `is_cancelled` says so between two layers."""
         validate_request(self.model.args, self.config, prompt_ids, params)
         check_start(skip_tokens, len(prompt_ids), self.config.block_size)
+        guide = guide_for(self.model, self.eos_token_ids, params)  # (compiled before work)
         start = time.perf_counter()
         reuse, salt = (self.kv_reuse if params.use_cache else None), params.cache_salt
         hit = reuse.load_prompt(prompt_ids, salt, self._scratch, 0) if reuse else None
@@ -96,7 +98,7 @@ class PrefillEngine:
         if reuse is not None and hit is not None:  # (both or neither)
             reuse.save(prompt_ids, salt, k, v, hashes=hit.hashes)
         seed = resolve_seed(params)
-        first = sample_one(logits.cpu(), params, seed, [], prompt_ids, self.eos_token_ids)
+        first = sample_one(logits.cpu(), params, seed, [], prompt_ids, self.eos_token_ids, guide)
         k, v = k[:, :, skip_tokens:], v[:, :, skip_tokens:]  # views: pack copies only these
         kv = KVPayload.from_arrays(self.model.args, k.cpu().numpy(), v.cpu().numpy(), skip_tokens)
         reused = hit.num_cached_tokens if hit else 0

@@ -12,10 +12,14 @@ what a co-located engine would, and no row's adjustments reach another row.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from disagg.engine.sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from disagg.engine.grammar import Guide
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) over the seed space
 
@@ -79,12 +83,25 @@ def sample_one(
     history: Sequence[int],
     prompt: Sequence[int] = (),
     eos_token_ids: Collection[int] = (),
+    guide: Guide | None = None,
 ) -> int:
     """logits: [V] float32 -> one token id. `history`: the output so far (its length is the
     index of the token drawn now); `prompt` and `eos_token_ids`: what penalties and
-    min_tokens read (adjust_logits)."""
+    min_tokens read (adjust_logits). `guide`: the request's grammar; only tokens it allows
+    are drawn (when it allows none, EOS is returned and the guide is marked dead: the
+    scheduler ends the sequence with FinishReason.GRAMMAR)."""
     index = len(history)
-    if params.adjusts_logits:
+    if guide is not None:
+        allowed = guide.allowed([*params.guide_tokens, *history], logits.shape[-1])
+        if allowed is None:
+            return min(eos_token_ids) if eos_token_ids else int(logits.argmax())
+        constrained = logits.masked_fill(~torch.from_numpy(allowed), float("-inf"))
+        if params.adjusts_logits:  # (min_tokens may mask all the grammar allows: EOS)
+            adjusted = adjust_logits(constrained, params, history, prompt, eos_token_ids)
+            logits = adjusted if bool(torch.isfinite(adjusted).any()) else constrained
+        else:
+            logits = constrained
+    elif params.adjusts_logits:
         logits = adjust_logits(logits, params, history, prompt, eos_token_ids)
     if params.is_greedy:
         return int(logits.argmax())
@@ -109,14 +126,17 @@ def sample_batch(
     histories: list[list[int]],
     prompts: list[list[int]] | None = None,
     eos_token_ids: Collection[int] = (),
+    guides: Sequence[Guide | None] | None = None,
 ) -> list[int]:
     """logits: [B, V]. Plain greedy rows share one argmax; the others draw one by one, each
-    adjusting a copy of its own row only (a neighbour's penalties never move a greedy row)."""
+    adjusting a copy of its own row only (a neighbour's penalties or grammar never move a
+    greedy row)."""
     greedy = logits.argmax(-1).tolist()
     prompts = prompts if prompts is not None else [[] for _ in params]
+    guides = guides if guides is not None else [None] * len(params)
     return [
         greedy[b]
-        if p.is_greedy and not p.adjusts_logits
-        else sample_one(logits[b], p, seeds[b], histories[b], prompts[b], eos_token_ids)
+        if p.is_greedy and not p.adjusts_logits and guides[b] is None
+        else sample_one(logits[b], p, seeds[b], histories[b], prompts[b], eos_token_ids, guides[b])
         for b, p in enumerate(params)
     ]

@@ -102,7 +102,10 @@ class Scheduler:
 
     def stop_reason(self, seq: Sequence) -> FinishReason | None:
         """EOS and stop tokens end a sequence only after min_tokens others (sampling masks
-        them before, so one here came from elsewhere: a hand-off, a scripted test)."""
+        them before, so one here came from elsewhere: a hand-off, a scripted test); its
+        grammar ends it when complete, whatever ignore_eos and min_tokens say."""
+        if (grammar := seq.grammar_stop()) is not None:  # complete, or at a dead end
+            return grammar
         token = seq.last_token
         may_stop = len(seq.output_ids) > seq.params.min_tokens  # (the token's index >= it)
         if may_stop and (

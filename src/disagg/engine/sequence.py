@@ -12,6 +12,7 @@ from disagg.errors import RequestError
 
 if TYPE_CHECKING:
     from disagg.engine.config import EngineConfig, ModelArgs
+    from disagg.engine.grammar import Guide
     from disagg.engine.kv_payload import KVPayload
 
 MAX_STOP_STRINGS = 16
@@ -19,12 +20,18 @@ MAX_SEED = 2**63 - 1
 MAX_CACHE_SALT = 256
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_REPETITION_PENALTY = 100.0
+# guided decoding (engine/grammar.py): guide types are TensorRT-LLM's
+# (`guided_decoding_guide_type`) plus "lark", llguidance's own syntax
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "lark")
+MAX_GUIDE_CHARS = 64 * 1024
+MAX_GUIDE_TOKENS = 1 << 20
 
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # end-of-sequence token, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the client or the server
+    GRAMMAR = "grammar_error"  # the request's grammar allowed no next token (a dead end)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,12 @@ class SamplingParams:
     # whether this request may use the cache at all
     cache_salt: str = ""
     use_cache: bool = True
+    # Guided decoding (engine/grammar.py): the output must match the guide. guide_tokens:
+    # tokens the grammar consumed before this request's own output (what a migrated stream
+    # already sent; its new prompt ends with them)
+    guide_type: str = ""  # "": none; else one of GUIDE_TYPES
+    guide: str = ""
+    guide_tokens: tuple[int, ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -103,6 +116,7 @@ class SamplingParams:
         if not isinstance(self.use_cache, bool):
             raise RequestError(f"use_cache must be a boolean, got {self.use_cache!r}")
         self._validate_penalties(vocab_size)
+        self._validate_guide(vocab_size)
         if len(self.bad_words_ids) > MAX_STOP_STRINGS or any(
             not w or any(not isinstance(t, int) or not 0 <= t < vocab_size for t in w)
             for w in self.bad_words_ids
@@ -134,6 +148,31 @@ class SamplingParams:
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens!r}"
             )
+
+    def _validate_guide(self, vocab_size: int) -> None:
+        """The request-level checks; whether the guide compiles is the engine's (it needs
+        the tokenizer: engine/grammar.py)."""
+        if not self.guide_type:
+            if self.guide or self.guide_tokens:
+                raise RequestError("guided_decoding_guide needs guided_decoding_guide_type")
+            return
+        if self.guide_type not in GUIDE_TYPES:
+            raise RequestError(
+                f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, "
+                f"got {self.guide_type!r}"
+            )
+        if not isinstance(self.guide, str) or len(self.guide) > MAX_GUIDE_CHARS:
+            raise RequestError(
+                f"guided_decoding_guide must be a string of at most {MAX_GUIDE_CHARS} characters"
+            )
+        if self.guide_type != "json" and not self.guide:
+            raise RequestError(
+                f"guided_decoding_guide is required with guide type {self.guide_type}"
+            )
+        if len(self.guide_tokens) > MAX_GUIDE_TOKENS or any(
+            not isinstance(t, int) or not 0 <= t < vocab_size for t in self.guide_tokens
+        ):
+            raise RequestError(f"guide_tokens must be token ids in [0, {vocab_size})")
 
 
 def _is_number(value: object, lo: float, hi: float) -> bool:
@@ -178,6 +217,20 @@ class Sequence:
     prompt_ids: list[int] = field(default_factory=list, repr=False)
     use_cache: bool = True  # params.use_cache, and the engine has a prefix cache
     num_reused_tokens: int = 0  # leading prompt tokens whose K/V came from the prefix cache
+    guide: Guide | None = field(default=None, repr=False)  # params' grammar, if it has one
+
+    def guide_history(self) -> list[int]:
+        """The tokens the grammar has consumed: what a migrated stream sent, then output."""
+        return [*self.params.guide_tokens, *self.output_ids]
+
+    def grammar_stop(self) -> FinishReason | None:
+        """STOP once the grammar is complete, GRAMMAR once it allows nothing; else None."""
+        if self.guide is None:
+            return None
+        self.guide.sync(self.guide_history())
+        if self.guide.dead:
+            return FinishReason.GRAMMAR
+        return FinishReason.STOP if self.guide.finished else None
 
     @property
     def prefilling(self) -> bool:

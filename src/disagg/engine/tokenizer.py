@@ -18,7 +18,7 @@ class Tokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
         from tokenizers import Tokenizer as HFTokenizer
 
-        d = Path(engine_dir)
+        d = self.engine_dir = Path(engine_dir)
         for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
             if not (d / name).is_file():
                 raise ConfigError(f"{d / name} not found: rebuild the engine")

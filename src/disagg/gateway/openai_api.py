@@ -1,9 +1,10 @@
 """OpenAI request bodies -> the router's inputs, and the router's outputs -> OpenAI responses.
 
 Fields disagg cannot honour are refused with a 400 naming them, never silently ignored:
-`n` > 1, `logprobs`, `top_logprobs`, tools / functions, `response_format` other than text,
-and for completions `echo`, `best_of` > 1, `suffix` and several prompts. Sampling controls
-beyond OpenAI's (vLLM's extensions): `repetition_penalty`, `min_tokens`, `stop_token_ids`.
+`n` > 1, `logprobs`, `top_logprobs`, tools / functions, and for completions `echo`,
+`best_of` > 1, `suffix` and several prompts. Sampling controls beyond OpenAI's (vLLM's
+extensions): `repetition_penalty`, `min_tokens`, `stop_token_ids`; structured outputs:
+openai_structured.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from disagg import contracts as C
 from disagg.engine.sequence import FinishReason
 from disagg.gateway.errors import bad_request, unsupported
 from disagg.gateway.openai_sampling import max_tokens_of, number, sampling_controls
+from disagg.gateway.openai_structured import structured_output
 
 MAX_STOP = 4
 INT32_MAX = 2**31 - 1
@@ -89,9 +91,6 @@ def _refuse_unsupported(body: JSON, kind: str) -> None:
     for name in ("tools", "tool_choice", "functions", "function_call"):
         if body.get(name) not in (None, "none", []):
             raise unsupported(name, "no tool calling")
-    fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise unsupported("response_format", "text only")
     if kind == "completion":
         if body.get("echo"):
             raise unsupported("echo")
@@ -171,6 +170,7 @@ def parse_request(body: object, kind: str) -> GenRequest:
         if any(stops):
             inputs[C.STOP_WORDS] = [s for s in stops if s]
     sampling_controls(body, inputs)
+    structured_output(body, inputs)
     _hints(body, inputs)
     ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: exactly max_tokens tokens
     if not isinstance(ignore_eos, bool):

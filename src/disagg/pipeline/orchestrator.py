@@ -7,11 +7,10 @@
 The payload leaves out the leading blocks decode probably holds (pipeline/handoff.py); when
 decode lacks them after all, the whole prompt's K/V is handed off again.
 
-The pools are interfaces: `local.py` implements them in this process, `triton/pools.py`
-with BLS calls into this Triton server; a remote server would implement the same two
-methods. The orchestrator turns tokens into text (whole characters, stop strings) so that
-streamed deltas concatenate exactly to the full reply: the one token -> text loop, used by
-the Triton models and by `disagg.llm` alike.
+The pools are interfaces: `local.py` implements them in this process, `triton/pools.py` with
+BLS calls into this Triton server, `remote/` over gRPC. The orchestrator turns tokens into
+text (whole characters, stop strings) so that streamed deltas concatenate exactly to the
+full reply: the one token -> text loop of the Triton models and of `disagg.llm` alike.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 from disagg import contracts as C
 from disagg.contracts import (
@@ -34,71 +32,18 @@ from disagg.contracts import (
     Reply,
 )
 from disagg.engine.config import EngineConfig, ModelArgs
-from disagg.engine.sequence import FinishReason, SamplingParams, validate_request
+from disagg.engine.grammar import check_guide
+from disagg.engine.sequence import FinishReason, validate_request
 from disagg.engine.tokenizer import TextStream, Tokenizer
 from disagg.errors import KVPrefixMissError, PoolError
-from disagg.pipeline.conditional import CostModel, Load, LoadTracker
+from disagg.pipeline.conditional import CostModel, LoadTracker
 from disagg.pipeline.handoff import kv_path, skip_tokens
+from disagg.pipeline.interfaces import DecodePool, OrchestratorEvents, PrefillPool
 from disagg.pipeline.prefix_locality import DECODE, PREFILL, PrefixLocality
 from disagg.pipeline.recovery import DecodeRecovery
 from disagg.pipeline.request import GenerateRequest, RequestRun
 
 log = logging.getLogger("disagg.orchestrator")
-
-
-class PrefillPool(Protocol):
-    def prefill(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, skip_tokens: int = 0
-    ) -> Handoff:
-        """Its payload leaves out the first `skip_tokens` (decode holds them). Raises
-        RequestError for a bad request, PoolError for anything else."""
-        ...
-
-
-class DecodePool(Protocol):
-    def generate(
-        self,
-        request_id: str,
-        params: SamplingParams,
-        *,
-        handoff: Handoff | None = None,
-        prompt_ids: list[int] | None = None,
-    ) -> Iterator[DecodeStep]:
-        """Stream decode steps; without a handoff decode prefills `prompt_ids` itself; with
-        one, `prompt_ids` name its K/V (decode keeps them in its prefix cache)."""
-        ...
-
-    def cancel(self, request_id: str) -> None: ...
-
-
-class OrchestratorEvents:
-    """Hooks for metrics (times in seconds, labels from small closed sets); the default does
-    nothing. `served_by` is DISAGGREGATED, COLOCATED or FALLBACK."""
-
-    def first_token(self, served_by: str, ttft_s: float) -> None: ...
-
-    def token_gap(self, served_by: str, itl_s: float, num_tokens: int) -> None: ...
-
-    def finished(self, served_by: str, finish_reason: str, e2e_s: float) -> None: ...
-
-    def prefill(self, queue_s: float, compute_s: float) -> None: ...
-
-    def kv_handoff(self, num_bytes: int, seconds: float, path: str) -> None: ...
-
-    def kv_handoff_skipped(self, num_bytes: int) -> None:
-        """Prompt K/V bytes a hand-off decode accepted left out (its prefix cache had them)."""
-
-    def kv_prefix_miss(self) -> None:
-        """Decode lacked the prefix a partial hand-off left out: it was handed off whole."""
-
-    def decision(self, remote: bool, reason: str) -> None: ...
-
-    def error(self, stage: str, kind: str) -> None: ...
-
-    def load(self, load: Load) -> None: ...
-
-    def cached_tokens(self, num_tokens: int) -> None:
-        """A finished request's prompt tokens that a prefix cache gave."""
 
 
 class Orchestrator:
@@ -142,6 +87,7 @@ class Orchestrator:
     def check_request(self, req: GenerateRequest) -> None:
         """Everything the engines would refuse, refused here first, before any pool works."""
         validate_request(self.model_args, self.engine_config, req.prompt_ids, req.params)
+        check_guide(self.tokenizer, self.model_args.vocab_size, req.params)
 
     def run(
         self,
@@ -223,12 +169,13 @@ class Orchestrator:
             req,
             request_id=C.child_request_id(req.request_id),
             prompt_ids=req.prompt_ids + run.token_ids,
-            # (the tokens so far become prompt: presence/frequency penalties no longer count
-            # them, repetition_penalty still does)
+            # (the tokens so far become prompt: presence/frequency penalties stop counting
+            # them, repetition_penalty does not; the grammar has consumed them)
             params=dataclasses.replace(
                 req.params,
                 max_tokens=left,
                 min_tokens=max(req.params.min_tokens - run.num_output_tokens, 0),
+                guide_tokens=(*req.params.guide_tokens, *run.token_ids),
             ),
         )
 

@@ -71,6 +71,8 @@ def build_request(
         frequency_penalty=g.frequency_penalty,
         repetition_penalty=g.repetition_penalty,
         logit_bias=g.logit_bias,
+        guide_type=g.guide_type,
+        guide=g.guide,
         min_tokens=g.min_length,
     )
     return GenerateRequest(

@@ -127,6 +127,7 @@ class ChatRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    response_format: dict[str, Any] | None = None  # a JSON guide (json_object, json_schema)
 
     def body(self, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -142,6 +143,8 @@ class ChatRequest:
             body["seed"] = self.seed
         if self.stop:
             body["stop"] = list(self.stop)
+        if self.response_format is not None:
+            body["response_format"] = self.response_format
         return body
 
 

@@ -56,7 +56,26 @@ def local_only_fields(
     ):
         if value != off:
             why.append(name)
+    # an OpenAI endpoint takes JSON (response_format) but not a regex or a grammar
+    if g.guide_type not in ("", "json", "json_schema"):
+        why.append(C.GUIDED_DECODING_GUIDE_TYPE)
     return tuple(why)
+
+
+def response_format(g: GenerationFields) -> dict[str, Any] | None:
+    """A JSON guide as OpenAI's response_format (what the endpoint gets)."""
+    if g.guide_type == "json":
+        return {"type": "json_object"}
+    if g.guide_type == "json_schema":
+        try:
+            schema = json.loads(g.guide)
+        except ValueError as e:
+            raise RequestError(f"{C.GUIDED_DECODING_GUIDE} is not JSON: {e}") from e
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": "response", "schema": schema, "strict": True},
+        }
+    return None
 
 
 def build_route_request(
@@ -102,6 +121,7 @@ def build_route_request(
             top_p=g.top_p,
             seed=g.seed,
             stop=g.stop_words,
+            response_format=response_format(g),
         )
     return RouteRequest(
         request_id=new_request_id(client_request_id),
