@@ -213,6 +213,8 @@ def test_penalties_and_min_tokens_go_down_by_their_names(trt):
     assert plain.presence_penalty is plain.repetition_penalty is plain.min_tokens is None
     with pytest.raises(RequestError, match="logit_bias is not supported with TensorRT-LLM"):
         trt_sampling(api, SamplingParams(logit_bias=((3, -100.0),)), seed=1)
+    with pytest.raises(RequestError, match="guided decoding is not supported"):
+        trt_sampling(api, SamplingParams(guide_type="json"), seed=1)
 
 
 def test_prefill_draws_no_progress_bar(trt):

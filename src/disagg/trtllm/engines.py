@@ -97,6 +97,8 @@ def trt_sampling(
             kwargs[name] = getattr(params, name)
     if params.logit_bias:
         raise RequestError("logit_bias is not supported with TensorRT-LLM yet")
+    if params.guide_type:  # (its GuidedDecodingParams: mapped once checked against 1.0's source)
+        raise RequestError("guided decoding is not supported with TensorRT-LLM pools yet")
     if params.bad_words_ids:
         if any(len(words) != 1 for words in params.bad_words_ids):
             raise RequestError(
