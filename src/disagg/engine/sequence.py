@@ -153,7 +153,7 @@ class SamplingParams:
         """The request-level checks; whether the guide compiles is the engine's (it needs
         the tokenizer: engine/grammar.py)."""
         if not self.guide_type:
-            if self.guide or self.guide_tokens:
+            if self.guide:
                 raise RequestError("guided_decoding_guide needs guided_decoding_guide_type")
             return
         if self.guide_type not in GUIDE_TYPES:

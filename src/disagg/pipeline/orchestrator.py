@@ -175,7 +175,9 @@ class Orchestrator:
                 req.params,
                 max_tokens=left,
                 min_tokens=max(req.params.min_tokens - run.num_output_tokens, 0),
-                guide_tokens=(*req.params.guide_tokens, *run.token_ids),
+                guide_tokens=(*req.params.guide_tokens, *run.token_ids)
+                if req.params.guide_type
+                else (),
             ),
         )
 
