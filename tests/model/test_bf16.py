@@ -28,12 +28,12 @@ MIN_TOP1_AGREEMENT = 0.85
 def bf16(engine_dir):
     if not bf16_supported():
         return None
-    return Llama.load(engine_dir, "bfloat16")
+    return Llama.load(engine_dir, weights="bfloat16")  # dense bf16, not the GGUF blocks
 
 
 @pytest.fixture(scope="module")
 def fp32(engine_dir):
-    return Llama.load(engine_dir, "float32")
+    return Llama.load(engine_dir, weights="float32")
 
 
 def test_auto_is_bf16_exactly_where_the_cpu_has_it(engine_dir, llm):
