@@ -252,7 +252,7 @@ def test_errors_in_openai_format(gateway, client):
         ({"n": 2}, "n"),
         ({"logprobs": True}, "logprobs"),
         ({"logit_bias": {"1": 500}}, "logit_bias"),  # out of [-100, 100]
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
         ({"temperature": 5}, "temperature"),
     ]:
         with pytest.raises(openai.BadRequestError) as e:

@@ -148,3 +148,63 @@ def test_guides_that_do_not_compile_get_400_naming_the_reason(client):
         chat(client, response_format={"type": "yaml"})
     assert e.value.body["param"] == "response_format"
     assert "Paris" in chat(client).choices[0].message.content  # the server is unharmed
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_tool_calls_whole_streamed_and_answered(client):
+    """tool_choice required: the reply is a call whose arguments validate, whole and
+    streamed (the client's accumulated deltas); the call and its result sent back as history
+    are accepted and answered."""
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=WEATHER, tools=tools, tool_choice="required", max_tokens=80
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name in ("get_weather", "get_time") and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model=MODEL, messages=WEATHER, tools=tools, tool_choice=named, max_tokens=80,
+        stream=True,
+    )  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "get_weather" and deltas[0].id
+    streamed = json.loads("".join(d.function.arguments or "" for d in deltas))
+    assert set(streamed) == {"city", "unit"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    history = [
+        *WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": deltas[0].id, "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps(streamed)}}
+        ]},
+        {"role": "tool", "tool_call_id": deltas[0].id, "content": "18 C and sunny"},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, tools=tools, max_tokens=40
+    )
+    message = answer.choices[0].message
+    assert message.content or message.tool_calls  # auto: text or a call that parsed

@@ -19,6 +19,7 @@ from disagg.engine.sequence import FinishReason
 from disagg.gateway.errors import bad_request, unsupported
 from disagg.gateway.openai_sampling import max_tokens_of, number, sampling_controls
 from disagg.gateway.openai_structured import structured_output
+from disagg.gateway.tools import Hermes, Tools, parse_reply, parse_tools, render_messages
 
 MAX_STOP = 4
 INT32_MAX = 2**31 - 1
@@ -34,6 +35,7 @@ class GenRequest:
     inputs: dict[str, object]  # router inputs (tensor name -> value)
     stream: bool = False
     include_usage: bool = False
+    tools: Tools | None = None  # offered to the model: its reply is parsed for calls
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -88,9 +90,6 @@ def _refuse_unsupported(body: JSON, kind: str) -> None:
         raise unsupported("logprobs")
     if body.get("top_logprobs"):
         raise unsupported("top_logprobs")
-    for name in ("tools", "tool_choice", "functions", "function_call"):
-        if body.get(name) not in (None, "none", []):
-            raise unsupported(name, "no tool calling")
     if kind == "completion":
         if body.get("echo"):
             raise unsupported("echo")
@@ -100,31 +99,23 @@ def _refuse_unsupported(body: JSON, kind: str) -> None:
             raise unsupported("suffix")
 
 
-def _messages(body: JSON) -> list[dict[str, str]]:
+def _messages(body: JSON, tools: Tools | None) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", "messages")
-    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in (
-            "system",
-            "developer",
-            "user",
-            "assistant",
-        ):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise bad_request(
-                f"messages[{i}].role must be system, developer, user or assistant", "messages"
+                f"messages[{i}].role must be system, developer, user, assistant or tool",
+                "messages",
             )
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise unsupported(f"messages[{i}].content", "text parts only")
-            content = "".join(str(p.get("text", "")) for p in content)
-        if not isinstance(content, str):
+        if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise bad_request(f"messages[{i}].content must be a string", "messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content})
-    return out
+    plain = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
+    return render_messages(plain, tools)
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _prompt(body: JSON) -> str:
@@ -146,8 +137,10 @@ def parse_request(body: object, kind: str) -> GenRequest:
         raise bad_request("'model' is required", "model")
     _refuse_unsupported(body, kind)
     inputs: dict[str, object] = {C.EXCLUDE_INPUT_IN_OUTPUT: True}
+    tools = None
     if kind == "chat":
-        inputs[C.MESSAGES] = json.dumps(_messages(body))
+        tools = parse_tools(body)
+        inputs[C.MESSAGES] = json.dumps(_messages(body, tools))
     else:
         inputs[C.TEXT_INPUT] = _prompt(body)
     max_tokens = max_tokens_of(body)
@@ -171,6 +164,8 @@ def parse_request(body: object, kind: str) -> GenRequest:
             inputs[C.STOP_WORDS] = [s for s in stops if s]
     sampling_controls(body, inputs)
     structured_output(body, inputs)
+    if tools is not None:
+        _tool_inputs(tools, inputs)
     _hints(body, inputs)
     ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: exactly max_tokens tokens
     if not isinstance(ignore_eos, bool):
@@ -190,8 +185,31 @@ def parse_request(body: object, kind: str) -> GenRequest:
     if options and not stream:  # (as OpenAI answers)
         raise bad_request("'stream_options' is only allowed with 'stream': true", "stream_options")
     return GenRequest(
-        kind=kind, model=model, inputs=inputs, stream=stream, include_usage=include_usage
+        kind=kind,
+        model=model,
+        inputs=inputs,
+        stream=stream,
+        include_usage=include_usage,
+        tools=tools,
     )
+
+
+def _tool_inputs(tools: Tools, inputs: dict[str, object]) -> None:
+    """A call that must come is decoded under a grammar of the allowed calls; the request
+    is of the "tool_call" task class unless the client named one (routing rules match it)."""
+    if tools.choice in ("required", "function"):
+        if C.GUIDED_DECODING_GUIDE_TYPE in inputs:
+            raise bad_request(
+                "'tool_choice' required or a named function cannot be combined with "
+                "response_format or structured_outputs",
+                "tool_choice",
+            )
+        inputs[C.GUIDED_DECODING_GUIDE_TYPE] = "lark"
+        inputs[C.GUIDED_DECODING_GUIDE] = Hermes.grammar(tools)
+    inputs.setdefault(C.TASK_TYPE, TOOL_TASK)
+
+
+TOOL_TASK = "tool_call"
 
 
 # ------------------------------------------------------------------ responses
@@ -202,6 +220,7 @@ FINISH: dict[str, str] = {
     FinishReason.LENGTH: "length",
     FinishReason.ABORT: "stop",
 }
+TOOL_CALLS = "tool_calls"  # OpenAI's finish reason for a reply that is calls
 
 
 def _envelope(
@@ -240,12 +259,15 @@ def full_response(
 ) -> JSON:
     choice: JSON
     if req.kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": FINISH.get(finish, finish),
-        }
+        message: JSON = {"role": "assistant", "content": text}
+        reason = FINISH.get(finish, finish)
+        if req.tools is not None:
+            content, calls = parse_reply(text, req.tools)
+            if calls:
+                message = {"role": "assistant", "content": content}
+                message["tool_calls"] = [c.as_json() for c in calls]
+                reason = TOOL_CALLS if reason == "stop" else reason
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         obj, prefix = "chat.completion", "chatcmpl-"
     else:
         choice = {
@@ -266,19 +288,22 @@ def chunk(
     text: str | None = None,
     finish: str | None = None,
     role: bool = False,
+    tool_calls: list[JSON] | None = None,
 ) -> JSON:
     choice: JSON
     if req.kind == "chat":
-        delta: dict[str, str] = {"role": "assistant", "content": ""} if role else {}
+        delta: JSON = {"role": "assistant", "content": ""} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         obj, prefix = "chat.completion.chunk", "chatcmpl-"
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj, prefix = "text_completion", "cmpl-"
     if finish is not None:
-        choice["finish_reason"] = FINISH.get(finish, finish)
+        choice["finish_reason"] = FINISH.get(finish, finish) if finish != TOOL_CALLS else finish
     out = _envelope(req, rid, fingerprint, obj, prefix, choice)
     if req.include_usage:  # OpenAI: every chunk has "usage", null but on the last
         out["usage"] = None

@@ -28,6 +28,7 @@ from disagg.gateway.errors import APIError
 from disagg.gateway.http import StreamCounted, answers_errors, loggable, read_json, request_id
 from disagg.gateway.metrics import GatewayMetrics
 from disagg.gateway.registry import PublicModel, Registry
+from disagg.gateway.tools import ToolStream
 
 log = logging.getLogger("disagg.gateway")
 VERSION_HEADER = "x-disagg-model-version"
@@ -256,6 +257,7 @@ class OpenAIRoutes:
         req, rid, fp, pieces = call.req, call.rid, call.fingerprint, call.pieces
         assert req is not None and pieces is not None, "set by _serve"
         first_text = True
+        tools = ToolStream(req.tools) if req.tools is not None else None
         try:
             if req.kind == "chat":
                 yield oa.sse(oa.chunk(req, rid, fp, role=True))
@@ -268,14 +270,22 @@ class OpenAIRoutes:
                     self.metrics.error(err.type)
                     yield oa.sse(err.body())
                     return
-                if piece.text:
-                    yield oa.sse(oa.chunk(req, rid, fp, text=piece.text))
-                    if first_text:
-                        ttft = time.perf_counter() - call.start
-                        self.metrics.ttft.labels(call.model).observe(ttft)
-                        first_text = False
+                text, calls = piece.text, None
+                if tools is not None:  # calls split out; a tag's beginning held back
+                    text, calls = tools.feed(piece.text)
+                    if piece.finish_reason is not None:
+                        text += tools.finish()
+                if text or calls:
+                    yield oa.sse(oa.chunk(req, rid, fp, text=text or None, tool_calls=calls))
+                if piece.text and first_text:
+                    ttft = time.perf_counter() - call.start
+                    self.metrics.ttft.labels(call.model).observe(ttft)
+                    first_text = False
                 if piece.finish_reason is not None:
-                    yield oa.sse(oa.chunk(req, rid, fp, finish=piece.finish_reason))
+                    finish = piece.finish_reason
+                    if tools is not None and tools.calls and finish == "stop":
+                        finish = oa.TOOL_CALLS
+                    yield oa.sse(oa.chunk(req, rid, fp, finish=finish))
                     if req.include_usage:
                         usage = oa.usage_chunk(
                             req, rid, fp, call.n_in, call.n_out, piece.num_cached_tokens

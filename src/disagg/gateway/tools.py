@@ -1,0 +1,327 @@
+"""Tool calls (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`) for models whose chat
+template has no tool section, as SmolLM2's has none: the Hermes format that vLLM's `hermes`
+tool parser reads and Qwen 2.5's and NousResearch's Hermes templates write.
+
+- The tools are described in the system message, inside `<tools></tools>`, one JSON
+  function signature a line, with the instruction to answer a call as
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+- An assistant message's `tool_calls` become that text; a `tool` message becomes a
+  `<tool_response>` in a user turn (as Qwen 2.5's template writes it; an OpenAI-compatible
+  endpoint the router picks takes it as it is).
+- The reply is parsed back: `<tool_call>` blocks whose JSON names a given tool become
+  `tool_calls` (ids `call_...`, arguments as a JSON string) and `finish_reason: tool_calls`;
+  the text before the first block is the message's content.
+- `tool_choice` `required` or a named function constrains decoding (a Lark grammar with the
+  functions' JSON schemas: engine/grammar.py), so the call always parses and its arguments
+  validate; `auto` leaves the model free and parses what it wrote (a block that does not
+  parse stays text); `none` describes no tools.
+
+A model that brings its own format (Llama 3's, Qwen's) gets a class of its own beside
+`Hermes` in FORMATS, chosen per public model (registry `tool_format`), as vLLM's
+`--tool-call-parser` is chosen per deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.gateway.errors import bad_request
+
+JSON = dict[str, Any]
+MAX_TOOLS = 128
+NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function names
+COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A request's tools, checked."""
+
+    functions: tuple[JSON, ...]  # OpenAI's {"name", "description", "parameters"}
+    choice: str = "auto"  # "auto" | "required" | "none" | "function"
+    name: str = ""  # the named function, when choice is "function"
+    parallel: bool = True
+
+    @property
+    def names(self) -> set[str]:
+        return {f["name"] for f in self.functions}
+
+
+def parse_tools(body: JSON) -> Tools | None:
+    """`tools`, `tool_choice`, `parallel_tool_calls` -> Tools (None: no tools to offer)."""
+    for old in ("functions", "function_call"):
+        if body.get(old) is not None:
+            raise bad_request(f"'{old}' is deprecated by OpenAI: send 'tools'", old)
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad_request(f"'tools' must be an array of at most {MAX_TOOLS} tools", "tools")
+    functions = tuple(_function(i, t) for i, t in enumerate(tools))
+    if len({f["name"] for f in functions}) != len(functions):
+        raise bad_request("'tools': function names must be unique", "tools")
+    name = ""
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        named = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(named, str) or named not in {f["name"] for f in functions}:
+            raise bad_request("'tool_choice' must name a function given in 'tools'", "tool_choice")
+        choice, name = "function", named
+    elif choice not in ("auto", "required", "none"):
+        raise bad_request(
+            "'tool_choice' must be none, auto, required or {'type': 'function', ...}",
+            "tool_choice",
+        )
+    if choice == "none":
+        return None
+    return Tools(functions, choice, name, parallel)
+
+
+def _function(i: int, tool: object) -> JSON:
+    fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+    if (
+        not isinstance(fn, dict)
+        or not isinstance(fn.get("name"), str)
+        or not NAME.match(fn["name"])
+    ):
+        raise bad_request(
+            f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}} with a "
+            "name of 1-64 letters, digits, '_', '.' or '-'",
+            "tools",
+        )
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(params, dict):
+        raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    description = fn.get("description", "")
+    if not isinstance(description, str):
+        raise bad_request(f"tools[{i}].function.description must be a string", "tools")
+    out: JSON = {"name": fn["name"], "description": description, "parameters": params}
+    return out
+
+
+# ------------------------------------------------------------------ the Hermes format
+
+
+class Hermes:
+    name = "hermes"
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    @staticmethod
+    def system_text(tools: Tools) -> str:
+        lines = "\n".join(json.dumps({"type": "function", "function": f}) for f in tools.functions)
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{lines}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments "
+            "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
+
+    @classmethod
+    def call_text(cls, name: str, arguments: object) -> str:
+        return f"{cls.OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{cls.CLOSE}"
+
+    @staticmethod
+    def tool_result_text(content: str) -> str:
+        return f"<tool_response>\n{content}\n</tool_response>"
+
+    @classmethod
+    def grammar(cls, tools: Tools) -> str:
+        """A Lark grammar that admits only well-formed calls of the allowed functions."""
+        allowed = [
+            f for f in tools.functions if tools.choice != "function" or f["name"] == tools.name
+        ]
+        schema = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for f in allowed
+            ],
+            "x-guidance": COMPACT,
+        }
+        call = f'"{cls.OPEN}\\n" %json {json.dumps(schema)} "\\n{cls.CLOSE}"'
+        repeat = tools.parallel and tools.choice != "function"
+        return f'start: call ("\\n" call)*\ncall: {call}' if repeat else f"start: {call}"
+
+
+FORMATS = {Hermes.name: Hermes}
+
+
+# ------------------------------------------------------------------ messages in
+
+
+def render_messages(messages: list[JSON], tools: Tools | None) -> list[dict[str, str]]:
+    """OpenAI chat messages (tool calls and tool results included) -> plain ones for the chat
+    template, with the tools described in the system message."""
+    fmt = Hermes
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        role, content = m["role"], m.get("content")
+        text = _text(i, content)
+        if role == "assistant" and m.get("tool_calls"):
+            calls = [_call_text(i, c) for c in _list(i, m["tool_calls"])]
+            text = "\n".join([text, *calls] if text else calls)
+        elif role == "tool":  # a user turn, as Qwen 2.5's template writes it: any chat
+            role, text = "user", fmt.tool_result_text(text)  # endpoint takes it
+        out.append({"role": role, "content": text})
+    if tools is not None:
+        described = fmt.system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
+        else:
+            out.insert(0, {"role": "system", "content": described})
+    return out
+
+
+def _text(i: int, content: object) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise bad_request(f"messages[{i}].content: text parts only", f"messages[{i}].content")
+        return "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise bad_request(f"messages[{i}].content must be a string", "messages")
+    return content
+
+
+def _list(i: int, value: object) -> list[Any]:
+    if not isinstance(value, list):
+        raise bad_request(f"messages[{i}].tool_calls must be an array", "messages")
+    return value
+
+
+def _call_text(i: int, call: object) -> str:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"messages[{i}].tool_calls: each needs function.name", "messages")
+    args = fn.get("arguments", "{}")
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except ValueError as e:
+        raise bad_request(
+            f"messages[{i}].tool_calls: function.arguments is not JSON: {e}", "messages"
+        ) from e
+    return Hermes.call_text(fn["name"], parsed)
+
+
+# ------------------------------------------------------------------ replies out
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+    def as_json(self, index: int | None = None) -> JSON:
+        out: JSON = {"id": self.id, "type": "function"}
+        if index is not None:
+            out = {"index": index, **out}
+        out["function"] = {"name": self.name, "arguments": self.arguments}
+        return out
+
+
+def parse_reply(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls). Blocks that do not parse, or name no given tool, leave the whole
+    reply as text (never a call the client would choke on)."""
+    fmt = Hermes
+    start = text.find(fmt.OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for block in re.findall(re.escape(fmt.OPEN) + r"(.*?)" + re.escape(fmt.CLOSE), text, re.S):
+        call = _parse_call(block, tools)
+        if call is None:
+            return text, []
+        calls.append(call)
+    if not calls:
+        return text, []
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def _parse_call(block: str, tools: Tools) -> ToolCall | None:
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in tools.names:
+        return None
+    args = obj.get("arguments", {})
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args))
+
+
+class ToolStream:
+    """A streamed reply split into content deltas and tool calls: text is passed on until a
+    `<tool_call>` may be starting (a possible beginning is held back), then buffered; each
+    block that closes becomes a call (two deltas, as OpenAI streams them: id and name, then
+    the arguments). What never closes, or does not parse, goes out as content at the end."""
+
+    def __init__(self, tools: Tools) -> None:
+        self.tools = tools
+        self.pending = ""  # held back: a possible beginning of a block, or an open block
+        self.calls: list[ToolCall] = []
+        self.in_block = False
+
+    def feed(self, text: str) -> tuple[str, list[JSON]]:
+        """-> (content to send now, tool-call deltas to send now)."""
+        self.pending += text
+        content, deltas = "", list[JSON]()
+        while True:
+            if not self.in_block:
+                at = self.pending.find(Hermes.OPEN)
+                if at < 0:
+                    keep = _possible_start(self.pending, Hermes.OPEN)
+                    cut = len(self.pending) - keep
+                    if not self.calls:  # text after a call is dropped, as parse_reply does
+                        content += self.pending[:cut]
+                    self.pending = self.pending[cut:]
+                    return content, deltas
+                if not self.calls:
+                    content += self.pending[:at]
+                self.pending, self.in_block = self.pending[at:], True
+            end = self.pending.find(Hermes.CLOSE)
+            if end < 0:
+                return content, deltas
+            block = self.pending[len(Hermes.OPEN) : end]
+            call = _parse_call(block, self.tools)
+            if call is None:  # not a call after all: it is text
+                content += self.pending[: end + len(Hermes.CLOSE)] if not self.calls else ""
+            else:
+                i = len(self.calls)
+                self.calls.append(call)
+                head = {**call.as_json(i), "function": {"name": call.name, "arguments": ""}}
+                deltas += [head, {"index": i, "function": {"arguments": call.arguments}}]
+            self.pending, self.in_block = self.pending[end + len(Hermes.CLOSE) :], False
+
+    def finish(self) -> str:
+        """Content still held back (an unclosed block, a partial tag), if no call was made."""
+        rest, self.pending = self.pending, ""
+        return "" if self.calls else rest
+
+
+def _possible_start(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0

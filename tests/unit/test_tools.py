@@ -1,0 +1,163 @@
+"""Tool calls without a model: the gateway's checks of tools / tool_choice, the Hermes
+rendering of tools and of a conversation's calls and results, the grammar a required call
+is decoded under, and parsing replies whole and streamed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from disagg import contracts as C
+from disagg.gateway.errors import APIError
+from disagg.gateway.openai_api import full_response, parse_request
+from disagg.gateway.tools import Hermes, ToolStream, parse_reply, parse_tools
+
+pytestmark = pytest.mark.unit
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+MSG = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def request(**body):
+    return parse_request({"model": "m", "messages": MSG, "tools": [WEATHER, TIME], **body}, "chat")
+
+
+def test_tools_are_described_in_the_system_message_hermes_style():
+    req = request()
+    messages = json.loads(req.inputs[C.MESSAGES])
+    assert messages[0]["role"] == "system" and "<tools>" in messages[0]["content"]
+    assert (
+        json.dumps({"type": "function", "function": req.tools.functions[0]})
+        in (messages[0]["content"])
+    )
+    assert messages[1] == MSG[0] and req.inputs[C.TASK_TYPE] == "tool_call"
+    assert C.GUIDED_DECODING_GUIDE_TYPE not in req.inputs  # auto: the model is free
+
+
+def test_a_conversation_with_calls_and_results_renders_as_text():
+    history = [
+        {"role": "system", "content": "Be brief."},
+        *MSG,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    req = parse_request({"model": "m", "messages": history, "tools": [WEATHER]}, "chat")
+    m = json.loads(req.inputs[C.MESSAGES])
+    assert m[0]["content"].startswith("Be brief.\n\n# Tools")
+    assert m[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>",
+    }
+    assert m[3] == {"role": "user", "content": "<tool_response>\n18 C, sunny\n</tool_response>"}
+
+
+def test_required_and_named_choices_decode_under_a_grammar():
+    req = request(tool_choice="required")
+    assert req.inputs[C.GUIDED_DECODING_GUIDE_TYPE] == "lark"
+    grammar = req.inputs[C.GUIDED_DECODING_GUIDE]
+    assert grammar.startswith('start: call ("\\n" call)*') and "get_time" in grammar
+    named = request(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert "get_weather" not in named.inputs[C.GUIDED_DECODING_GUIDE]
+    single = request(tool_choice="required", parallel_tool_calls=False)
+    assert single.inputs[C.GUIDED_DECODING_GUIDE].startswith("start: ")
+    none = request(tool_choice="none")
+    assert none.tools is None and "<tools>" not in none.inputs[C.MESSAGES]
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        (
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+    ],
+)
+def test_bad_tools_are_refused_by_name(body, param):
+    with pytest.raises(APIError) as e:
+        request(**body)
+    assert e.value.status == 400 and e.value.param == param
+    with pytest.raises(APIError):  # tool_choice without tools
+        parse_request({"model": "m", "messages": MSG, "tool_choice": "required"}, "chat")
+
+
+def test_a_reply_with_calls_becomes_tool_calls():
+    tools = parse_tools({"tools": [WEATHER, TIME]})
+    text = (
+        "Let me check.\n" + Hermes.call_text("get_weather", {"city": "Paris"}) + "\n"
+        + Hermes.call_text("get_time", {})
+    )  # fmt: skip
+    content, calls = parse_reply(text, tools)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
+    body = full_response(request(), "r", text, "stop", 5, 9, "fp")
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_a_call_that_does_not_parse_stays_text():
+    tools = parse_tools({"tools": [WEATHER]})
+    for text in (
+        "<tool_call>\n{not json}\n</tool_call>",
+        '<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>',
+        "<tool_call>\n" + '{"name": "get_weather", "arguments": {"city": "Pa',  # cut by length
+    ):
+        assert parse_reply(text, tools) == (text, [])
+
+
+def test_a_streamed_reply_splits_into_content_and_call_deltas_in_any_pieces():
+    tools = parse_tools({"tools": [WEATHER, TIME]})
+    text = "Sure. " + Hermes.call_text("get_weather", {"city": "Paris"})
+    for size in (1, 3, 7, len(text)):
+        stream = ToolStream(tools)
+        content, deltas = "", []
+        for i in range(0, len(text), size):
+            c, d = stream.feed(text[i : i + size])
+            content, deltas = content + c, deltas + d
+        content += stream.finish()
+        assert content == "Sure. "
+        assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""}
+        assert deltas[0]["id"].startswith("call_") and deltas[0]["index"] == 0
+        args = "".join(d["function"]["arguments"] for d in deltas)
+        assert json.loads(args) == {"city": "Paris"}
+
+
+def test_a_stream_without_a_call_passes_its_text_through_even_a_lone_angle_bracket():
+    stream = ToolStream(parse_tools({"tools": [WEATHER]}))
+    out = "".join(stream.feed(p)[0] for p in ("a <b", " and <tool", "_c"))
+    assert out + stream.finish() == "a <b and <tool_c"
