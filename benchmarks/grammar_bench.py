@@ -9,6 +9,10 @@ tokenizer does. The mask is what sampling must wait for at every step.
 
     PYTHONPATH=/path/with/the/libraries python benchmarks/grammar_bench.py [--steps 64]
 
+With `--engine`, also what guidance costs disagg's own decode engine (llguidance, as served):
+the mean step time of 16 sequences decoding with and without a JSON-schema guide, rounds
+interleaved (masks, replay and the per-row sampling they force, all included).
+
 Prints a table; writes results/grammar_bench.json.
 """
 
@@ -170,10 +174,49 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+def engine_overhead(rounds: int) -> dict[str, float]:
+    """Mean decode step (ms) of BATCH sequences, guided by a JSON schema or not, best round."""
+    from disagg.engine.llm_engine import DecodeEngine
+    from disagg.engine.sequence import SamplingParams
+    from disagg.llm import LLM
+
+    torch.set_num_threads(2)
+    llm = LLM(str(ENGINE))
+    ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Describe a person as JSON."}]
+    ))  # fmt: skip
+    schema = json.dumps({"type": "object", "properties": {
+        "name": {"type": "string"}, "bio": {"type": "string"}}})  # fmt: skip
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, guide in (("plain", {}), ("json_schema", {"guide_type": "json_schema",
+                                                            "guide": schema})):  # fmt: skip
+            engine = DecodeEngine(llm.model, llm.config, {llm.tokenizer.eos_token_id})
+            params = SamplingParams(max_tokens=48, ignore_eos=True, **guide)  # type: ignore[arg-type]
+            for i in range(BATCH):
+                engine.add_request(f"r{i}", params, prompt_ids=ids)
+            while any(s.prefilling or not s.output_ids for s in engine.scheduler.running) or (
+                engine.scheduler.waiting
+            ):
+                engine.step()
+            t0, steps = time.perf_counter(), 0
+            while len(engine.scheduler.running) == BATCH and steps < 32:
+                engine.step()
+                steps += 1
+            ms = (time.perf_counter() - t0) / steps * 1e3
+            best[name] = min(best.get(name, ms), ms)
+            print(f"engine {name}: {ms:.1f} ms/step at batch {BATCH}", flush=True)
+    best["overhead_pct"] = round((best["json_schema"] / best["plain"] - 1) * 100, 1)
+    print(f"guided decoding costs {best['overhead_pct']}% per step at batch {BATCH}")
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per schema")
     ap.add_argument("--out", default=str(ROOT / "results/grammar_bench.json"))
+    ap.add_argument("--engine", action="store_true", help="also time our decode engine")
+    ap.add_argument("--rounds", type=int, default=3, help="engine rounds per variant")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = hf_tokenizer()
@@ -224,10 +267,12 @@ def main() -> None:
             f"{r['library']:<14}{r['schema']:<11}{r['compile_ms']:>11}{r['mask_ms_p50']:>22}"
             f"{r['mask_ms_max']:>9}{r['reply_accepted']!s:>9}"
         )
+    engine = engine_overhead(args.rounds) if args.engine else None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = {"cpu": platform.processor() or platform.machine(), "threads": 1}
-    out.write_text(json.dumps({"machine": machine, "batch": BATCH, "rows": rows}, indent=1))
+    result = {"machine": machine, "batch": BATCH, "rows": rows, "engine": engine}
+    out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 
 
