@@ -11,7 +11,7 @@ from typing import Literal
 import openai
 import pydantic
 import pytest
-from helpers.triton_server import start_server
+from helpers.triton_server import metric, start_server
 
 from disagg.engine.tokenizer import Tokenizer
 from disagg.serve.gateway_process import GatewayProcess
@@ -208,3 +208,30 @@ def test_tool_calls_whole_streamed_and_answered(client):
     )
     message = answer.choices[0].message
     assert message.content or message.tool_calls  # auto: text or a call that parsed
+
+
+def test_n_choices_whole_and_streamed_share_one_prefill(client, server):
+    """n=3 sampled with a seed: three indexed choices, reproducible, counted once for the
+    prompt; streamed, each index's deltas make the same texts; the later choices found the
+    prompt in the prefix cache (the request_cached_tokens histogram grew by ~2 prompts)."""
+    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 12, "n": 3}
+    sampled["extra_body"] = {"ignore_eos": True}
+    fresh = [{"role": "user", "content": "Name three colours of the rainbow, then stop."}]
+    before = metric(server, "disagg_request_cached_tokens_sum")
+    whole = client.chat.completions.create(model=MODEL, messages=fresh, **sampled)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1  # seed + i: the choices differ
+    assert whole.usage.completion_tokens == 12 * 3
+    prompt = whole.usage.prompt_tokens
+    cached = metric(server, "disagg_request_cached_tokens_sum") - before
+    assert cached >= 2 * (prompt - 16), (cached, prompt)  # all but the last partial block
+    stream = client.chat.completions.create(model=MODEL, messages=fresh, stream=True, **sampled)
+    streamed = ["", "", ""]
+    finished = set()
+    for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert streamed == texts and finished == {0, 1, 2}

@@ -51,7 +51,8 @@ def test_chat_request_maps_to_router_inputs():
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"n": 3}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
         ({"logprobs": True}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logit_bias": {"five": 1}}, "logit_bias"),

@@ -1,7 +1,7 @@
 """OpenAI request bodies -> the router's inputs, and the router's outputs -> OpenAI responses.
 
 Fields disagg cannot honour are refused with a 400 naming them, never silently ignored:
-`n` > 1, `logprobs`, `top_logprobs`, tools / functions, and for completions `echo`,
+`logprobs`, `top_logprobs`, the deprecated functions, and for completions `echo`,
 `best_of` > 1, `suffix` and several prompts. Sampling controls beyond OpenAI's (vLLM's
 extensions): `repetition_penalty`, `min_tokens`, `stop_token_ids`; structured outputs:
 openai_structured.py.
@@ -22,6 +22,7 @@ from disagg.gateway.openai_structured import structured_output
 from disagg.gateway.tools import Hermes, Tools, parse_reply, parse_tools, render_messages
 
 MAX_STOP = 4
+MAX_N = 16  # choices per request (OpenAI allows 128; each is a sequence in the decode batch)
 INT32_MAX = 2**31 - 1
 JSON = dict[str, Any]  # a JSON object, as the client sent it or as we answer
 
@@ -36,6 +37,7 @@ class GenRequest:
     stream: bool = False
     include_usage: bool = False
     tools: Tools | None = None  # offered to the model: its reply is parsed for calls
+    n: int = 1  # choices (gateway/choices.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -84,8 +86,6 @@ def _hints(body: JSON, inputs: dict[str, object]) -> None:
 
 
 def _refuse_unsupported(body: JSON, kind: str) -> None:
-    if body.get("n", 1) != 1:
-        raise unsupported("n", "only n=1")
     if body.get("logprobs") not in (None, False, 0):
         raise unsupported("logprobs")
     if body.get("top_logprobs"):
@@ -191,6 +191,7 @@ def parse_request(body: object, kind: str) -> GenRequest:
         stream=stream,
         include_usage=include_usage,
         tools=tools,
+        n=int(number(body, "n", 1, MAX_N, integer=True) or 1),
     )
 
 

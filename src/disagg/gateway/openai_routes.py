@@ -13,17 +13,18 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from disagg import contracts as C
 from disagg.contracts import REQUEST_ID_HEADER
+from disagg.gateway import choices
 from disagg.gateway import openai_api as oa
 from disagg.gateway.auth import KeyStore, RateLimiter
 from disagg.gateway.backend import Piece, TritonBackend
+from disagg.gateway.call import Call
 from disagg.gateway.errors import APIError
 from disagg.gateway.http import StreamCounted, answers_errors, loggable, read_json, request_id
 from disagg.gateway.metrics import GatewayMetrics
@@ -33,26 +34,6 @@ from disagg.gateway.tools import ToolStream
 log = logging.getLogger("disagg.gateway")
 VERSION_HEADER = "x-disagg-model-version"
 ROUTE_TARGET_HEADER = "x-disagg-route-target"
-
-
-@dataclass
-class Call:
-    """One generation request on its way through the gateway."""
-
-    request: Request
-    api: str  # "chat" | "completion"
-    rid: str
-    start: float = field(default_factory=time.perf_counter)
-    model: str = "unknown"  # the public model name, once resolved (a metric label)
-    key: str = ""
-    req: oa.GenRequest | None = None
-    fingerprint: str = ""
-    headers: dict[str, str] = field(default_factory=dict)
-    pieces: AsyncGenerator[Piece, None] | None = None
-    # what the client has received, for a stream that ends early (status 499: client gone)
-    n_in: int = 0
-    n_out: int = 0
-    status: int = 499
 
 
 class OpenAIRoutes:
@@ -164,9 +145,19 @@ class OpenAIRoutes:
                 call.rid, call.key, model.name, version.name, req.stream,
             )  # fmt: skip
             call.fingerprint = f"disagg-{model.name}-{version.name}"
+            if req.n > 1:
+                first = await pieces.__anext__()  # choice 0's prompt is cached from here
+                streams = choices.open_choices(
+                    call,
+                    first,
+                    lambda rid, inputs: self.backend.generate(
+                        version.triton_model, version.triton_version, rid, inputs
+                    ),
+                )
+                return await self._serve_choices(call, streams)
             if req.stream:
                 first = await pieces.__anext__()  # errors before any output: HTTP errors
-                response = self._stream(call, first)
+                response = self._stream(call, self._events(call, first), pieces.aclose)
                 response.headers.update(call.headers)
                 return response
             return await self._complete(call)
@@ -225,11 +216,33 @@ class OpenAIRoutes:
         )
         return JSONResponse(body, headers=headers)
 
-    def _stream(self, call: Call, first: Piece) -> StreamCounted:
+    async def _serve_choices(self, call: Call, streams: list[choices.Pieces]) -> Response:
+        """n > 1: every choice whole, or their chunks interleaved (gateway/choices.py)."""
+        req = call.req
+        assert req is not None, "set by _serve"
+        if req.stream:
+
+            async def close() -> None:
+                await choices.close_all(streams)
+
+            response = self._stream(call, choices.stream_events(call, streams), close)
+            response.headers.update(call.headers)
+            return response
+        results = await choices.collect_all(call, streams)
+        if results is None:
+            return Response(status_code=499)
+        charged = results[0][1].num_input_tokens + sum(p.num_output_tokens for _, p in results)
+        self.limiter.charge(call.key, charged)
+        for _, last in results:
+            if last.finish_reason == C.FINISH_ERROR:
+                raise _model_failed(last)
+        return JSONResponse(choices.whole_response(call, results), headers=call.headers)
+
+    def _stream(
+        self, call: Call, events: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]
+    ) -> StreamCounted:
         """The SSE body and the bookkeeping that must run once when it ends, however it ends:
         finished, failed, the client gone mid-stream, or gone before the first byte."""
-        pieces = call.pieces
-        assert pieces is not None, "set by _serve"
         ended = False
 
         async def end() -> None:
@@ -242,11 +255,11 @@ class OpenAIRoutes:
             self.metrics.finished(
                 call.api, call.model, call.status, time.perf_counter() - call.start
             )
-            await pieces.aclose()  # last: a client that went away cancels its request
+            await close()  # last: a client that went away cancels its request
 
         async def body() -> AsyncIterator[bytes]:
             try:
-                async for chunk in self._events(call, first):
+                async for chunk in events:
                     yield chunk
             finally:
                 await end()
