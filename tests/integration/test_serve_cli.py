@@ -66,17 +66,24 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         )
         assert reply.usage.completion_tokens > 0
 
-        # tritonserver dies (as 2.51's Python backend can under load): the gateway answers
-        # 503 meanwhile, serve keeps the crash log and brings Triton back
+        # tritonserver dies (as 2.51's Python backend can under load): a request meanwhile
+        # gets a 503 "unavailable" once the gateway's retry window (gateway/backend.py
+        # RETRY_S, 5 s) passes, or is served if Triton is back within it (a fast machine
+        # restarts it in about that time); never a hang or another error. Serve keeps the
+        # crash log and brings Triton back
         triton = _child(proc.pid, "tritonserver")
         os.kill(triton, signal.SIGKILL)
-        with pytest.raises(openai.APIStatusError) as e:
-            openai.OpenAI(
-                base_url=f"http://127.0.0.1:{gateway}/v1", api_key=key, max_retries=0
+        try:
+            during = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{gateway}/v1", api_key=key, max_retries=0,
+                timeout=60,
             ).chat.completions.create(
-                model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}]
-            )
-        assert e.value.status_code == 503 and e.value.body["code"] == "unavailable"
+                model="smollm2-135m-instruct", messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=4,
+            )  # fmt: skip
+            assert during.usage.completion_tokens > 0
+        except openai.APIStatusError as e:
+            assert e.status_code == 503 and e.body["code"] == "unavailable"
         while not any("tritonserver is back" in line for line in lines):
             assert time.monotonic() < deadline + 240 and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
