@@ -24,9 +24,12 @@ pytestmark = pytest.mark.integration
 PROMPTS = ["Write a long story about a dragon.", "Describe the sea at night.", "List fruits."]
 HUNG_S = 90  # a stream that has not ended this long after the kill counts as hung
 KILL_AFTER = 6  # deltas of the first stream before the kill: every stream is decoding
+# long enough that no stream ends before the kill lands, however fast decode is (at 64, one
+# finished first on a fast machine: the streams' starts spread by their prefills)
+MAX_TOKENS = 160
 
 
-def body(prompt_ids: list[int], max_tokens: int = 64) -> dict:
+def body(prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> dict:
     return {
         C.INPUT_IDS: prompt_ids,  # the orchestrator directly: its reply names decode's pid
         C.MAX_TOKENS: max_tokens,
@@ -44,7 +47,7 @@ def cpu_ticks(pid: int) -> int:
     return int(utime) + int(stime)
 
 
-def busiest(pids: list[int], window_s: float = 0.5) -> int:
+def busiest(pids: list[int], window_s: float = 0.2) -> int:
     """The decode stub that is decoding (the others idle)."""
     before = {p: cpu_ticks(p) for p in pids}
     time.sleep(window_s)
@@ -125,7 +128,7 @@ def test_a_decode_killed_mid_stream_loses_no_stream_and_no_text(server, tokenize
     assert counts == {"completed": len(PROMPTS), "error": 0, "hung": 0}, streams.got
     for prompt, (_, r, _) in streams.got.items():
         assert r.text == undisturbed[prompt], prompt  # type: ignore[union-attr]
-        assert r.num_output_tokens == 64 and r.finish_reason == "length"  # type: ignore[union-attr]
+        assert r.num_output_tokens == MAX_TOKENS and r.finish_reason == "length"  # type: ignore[union-attr]
     first = streams.got[PROMPTS[0]][1]
     if len(before) > 1:  # the survivor continued it (the reloaded model may have, after)
         assert first.extra[C.DECODE_PID] != streams.victim  # type: ignore[union-attr]
