@@ -213,8 +213,35 @@ def test_penalties_and_min_tokens_go_down_by_their_names(trt):
     assert plain.presence_penalty is plain.repetition_penalty is plain.min_tokens is None
     with pytest.raises(RequestError, match="logit_bias is not supported with TensorRT-LLM"):
         trt_sampling(api, SamplingParams(logit_bias=((3, -100.0),)), seed=1)
-    with pytest.raises(RequestError, match="guided decoding is not supported"):
-        trt_sampling(api, SamplingParams(guide_type="json"), seed=1)
+
+
+def test_guides_go_down_as_guided_decoding_params_where_the_pool_has_a_backend(trt):
+    """Checked against the double of 1.0's GuidedDecodingParams (one guide per request)."""
+    from disagg.trtllm.engines import trt_sampling
+
+    api = TrtllmApi.load()
+    schema = '{"type": "object"}'
+    for guide_type, guide, field, value in (
+        ("json", "", "json_object", True),
+        ("json_schema", schema, "json", schema),
+        ("regex", "a+", "regex", "a+"),
+        ("ebnf_grammar", 'root ::= "x"', "grammar", 'root ::= "x"'),
+    ):
+        params = SamplingParams(guide_type=guide_type, guide=guide)
+        sp = trt_sampling(api, params, seed=1, guided_backend="xgrammar")
+        assert getattr(sp.guided_decoding, field) == value, guide_type
+    assert (
+        trt_sampling(api, SamplingParams(), seed=1, guided_backend="xgrammar").guided_decoding
+        is None
+    )
+    for params, words in (
+        (SamplingParams(guide_type="json"), "needs guided_decoding_backend"),  # no backend
+        (SamplingParams(guide_type="lark", guide="start: 'a'"), "not supported"),
+        (SamplingParams(guide_type="json", guide_tokens=(1,)), "cannot be continued"),
+    ):
+        backend = None if "backend" in words else "llguidance"
+        with pytest.raises(RequestError, match=words):
+            trt_sampling(api, params, seed=1, guided_backend=backend)
 
 
 def test_prefill_draws_no_progress_bar(trt):

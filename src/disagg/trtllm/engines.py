@@ -52,13 +52,47 @@ class TrtllmApi:
     LLM: Any
     SamplingParams: Any
     DisaggregatedParams: Any
+    GuidedDecodingParams: Any = None
 
     @classmethod
     def load(cls) -> TrtllmApi:
         import tensorrt_llm
-        from tensorrt_llm.llmapi import DisaggregatedParams
+        from tensorrt_llm.llmapi import DisaggregatedParams, GuidedDecodingParams
 
-        return cls(tensorrt_llm.LLM, tensorrt_llm.SamplingParams, DisaggregatedParams)
+        return cls(
+            tensorrt_llm.LLM, tensorrt_llm.SamplingParams, DisaggregatedParams, GuidedDecodingParams
+        )
+
+
+# our guide types -> GuidedDecodingParams' field (1.0, tensorrt_llm/sampling_params.py):
+# json_object -> GuideType.JSON, json -> JSON_SCHEMA, regex -> REGEX, grammar -> EBNF_GRAMMAR
+GUIDE_FIELDS = {"json": "json_object", "json_schema": "json", "regex": "regex",
+                "ebnf_grammar": "grammar"}  # fmt: skip
+
+
+def trt_guide(api: TrtllmApi, params: SamplingParams, backend: str | None) -> Any:
+    """The request's guide as GuidedDecodingParams, or None. Refused unless the pool's LLM
+    was built with a guided_decoding_backend (without one 1.0 would, as far as its source
+    shows, build no GuidedDecoder and ignore the guide), and for what 1.0 cannot take: a
+    Lark grammar (its grammars are EBNF), a continued stream (no way to tell its grammar the
+    tokens already sent)."""
+    if not params.guide_type:
+        return None
+    if backend is None:
+        raise RequestError(
+            "guided decoding needs guided_decoding_backend (xgrammar or llguidance) in this "
+            "pool's TensorRT-LLM options"
+        )
+    name = GUIDE_FIELDS.get(params.guide_type)
+    if name is None:
+        raise RequestError(
+            f"guide type {params.guide_type} is not supported with TensorRT-LLM "
+            f"(it takes {', '.join(GUIDE_FIELDS)})"
+        )
+    if params.guide_tokens:
+        raise RequestError("a guided stream cannot be continued on TensorRT-LLM pools")
+    value: object = True if name == "json_object" else params.guide
+    return api.GuidedDecodingParams(**{name: value})
 
 
 def trt_sampling(
@@ -67,6 +101,7 @@ def trt_sampling(
     seed: int,
     max_tokens: int | None = None,
     perf_metrics: bool = False,
+    guided_backend: str | None = None,
 ) -> tensorrt_llm.SamplingParams:
     """Our sampling parameters in the LLM API's terms.
 
@@ -97,8 +132,8 @@ def trt_sampling(
             kwargs[name] = getattr(params, name)
     if params.logit_bias:
         raise RequestError("logit_bias is not supported with TensorRT-LLM yet")
-    if params.guide_type:  # (its GuidedDecodingParams: mapped once checked against 1.0's source)
-        raise RequestError("guided decoding is not supported with TensorRT-LLM pools yet")
+    if (guide := trt_guide(api, params, guided_backend)) is not None:
+        kwargs["guided_decoding"] = guide
     if params.bad_words_ids:
         if any(len(words) != 1 for words in params.bad_words_ids):
             raise RequestError(
@@ -143,8 +178,9 @@ class TrtllmPrefillEngine:
         salt = self.features.salt(request_id, params.cache_salt, params.use_cache)
         start = time.perf_counter()
         sampling = trt_sampling(
-            self.api, params, seed, max_tokens=1, perf_metrics=self.features.perf_metrics
-        )
+            self.api, params, seed, max_tokens=1, perf_metrics=self.features.perf_metrics,
+            guided_backend=self.features.guided_backend,
+        )  # fmt: skip
         out = self._context(prompt_ids, sampling, salt, is_cancelled or (lambda: False))
         completion = out.outputs[0]
         if not completion.token_ids or completion.disaggregated_params is None:
@@ -241,7 +277,12 @@ class TrtllmDecodeEngine:
                 salt = {"cache_salt": handoff.cache_salt} if handoff.cache_salt else {}
                 result = self.llm.generate_async(
                     handoff.prompt_ids,
-                    sampling_params=trt_sampling(self.api, params, handoff.seed),
+                    sampling_params=trt_sampling(
+                        self.api,
+                        params,
+                        handoff.seed,
+                        guided_backend=self.features.guided_backend,
+                    ),  # fmt: skip
                     disaggregated_params=self.api.DisaggregatedParams(**fields),
                     streaming=True,
                     **salt,
@@ -258,6 +299,7 @@ class TrtllmDecodeEngine:
                         params,
                         resolve_seed(params),
                         perf_metrics=self.features.perf_metrics,
+                        guided_backend=self.features.guided_backend,
                     ),
                     streaming=True,
                     **salt,

@@ -74,6 +74,7 @@ class RequestFeatures:
     perf_metrics: bool  # SamplingParams(return_perf_metrics=...)
     cache_salt: bool  # generate / generate_async(cache_salt=...)
     tokens_per_block: int = TOKENS_PER_BLOCK
+    guided_backend: str | None = None  # the LLM's guided_decoding_backend, if it has one
 
     @classmethod
     def of(cls, llm: Any, sampling_params: Any, options: dict[str, Any]) -> RequestFeatures:
@@ -89,7 +90,11 @@ class RequestFeatures:
         except (TypeError, ValueError):
             salted = False
         block = (options.get("kv_cache_config") or {}).get("tokens_per_block")
-        return cls("return_perf_metrics" in names, salted, int(block or TOKENS_PER_BLOCK))
+        backend = options.get("guided_decoding_backend") or None
+        return cls(
+            "return_perf_metrics" in names, salted, int(block or TOKENS_PER_BLOCK),
+            guided_backend=str(backend) if backend else None,
+        )  # fmt: skip
 
     def salt(self, request_id: str, cache_salt: str, use_cache: bool) -> dict[str, str]:
         """The generate kwargs that keep a request's blocks in its own namespace: the

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from tensorrt_llm.llmapi import DisaggregatedParams, llm_args
+from tensorrt_llm.llmapi import DisaggregatedParams, GuidedDecodingParams, llm_args
 
 __all__ = ["LLM", "SamplingParams", "DisaggregatedParams"]
 __version__ = "1.0.0"
@@ -65,6 +65,7 @@ class SamplingParams:
     ignore_eos: bool = False
     detokenize: bool = True
     return_perf_metrics: bool = False  # "keep in sync with tllme.OutputConfig" upstream
+    guided_decoding: GuidedDecodingParams | None = None
 
     @property
     def _greedy_decoding(self) -> bool:  # upstream 1.0's rule: temperature does not count
