@@ -187,8 +187,16 @@ def test_an_orchestrator_crash_ends_router_and_gateway_requests_and_frees_decode
     calls = {k: v for k, v in _long_requests(server, gateway).items() if "ensemble" not in k}
     (victim,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "orchestrator"]
     out, killed = _kill_under_load(server, calls, victim)
-    assert out.counts(calls) == {"completed": 0, "error": len(calls), "unclear": 0, "hung": 0}
-    for name, (_, detail, ended) in out.got.items():
+    # a non-streamed gateway request has sent nothing to its client: the gateway may try it
+    # again while Triton reports the orchestrator unavailable (gateway/backend.py RETRY_S, 5
+    # s), and on a fast machine the orchestrator is back within that window: it completes
+    retried = {"gateway-json", "gateway-json-2"}
+    strict = [name for name in calls if name not in retried]
+    assert out.counts(strict) == {"completed": 0, "error": len(strict), "unclear": 0, "hung": 0}
+    assert all(out.got.get(name, ("hung",))[0] in ("completed", "error") for name in retried)
+    for name, (kind, detail, ended) in out.got.items():
+        if kind != "error":
+            continue
         assert ended - killed < 5, f"{name} ended {ended - killed:.1f} s after the crash"
         assert re.search(r"orchestrator worker \d+ died|unavailable", detail), (name, detail)
     # decode drops them at its next send (or, where a send raced the kill and blocks, its
