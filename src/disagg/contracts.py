@@ -15,10 +15,10 @@ import os
 import re
 import uuid
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from disagg.engine.prefix_cache import PrefixCacheStats
-from disagg.engine.sequence import SamplingParams
+from disagg.engine.sequence import SamplingParams, TokenLogprob
 from disagg.errors import (
     CapacityError,
     DisaggError,
@@ -63,6 +63,13 @@ LOGIT_BIAS = "logit_bias"  # BYTES: JSON {"token id": bias}, as OpenAI's (Tensor
 # disagg's lark) and its text (the schema, the regex, the grammar; none for json)
 GUIDED_DECODING_GUIDE_TYPE = "guided_decoding_guide_type"  # BYTES
 GUIDED_DECODING_GUIDE = "guided_decoding_guide"  # BYTES
+# log-probabilities: TensorRT-LLM's switch and output (OUTPUT_LOG_PROBS: FP32 [-1], the
+# response's tokens' own), and disagg's count of top alternatives per token (INT32, 0-20) and
+# OpenAI's per-token objects ({token, logprob, bytes, top_logprobs}) as one JSON array
+RETURN_LOG_PROBS = "return_log_probs"  # BOOL
+TOP_LOGPROBS = "top_logprobs"  # INT32
+OUTPUT_LOG_PROBS = "output_log_probs"  # FP32 [-1]
+OUTPUT_LOGPROBS_CONTENT = "output_logprobs_content"  # BYTES [1]: JSON array
 
 # router-only inputs: routing hints (all optional)
 MODEL = "model"  # public model name (the OpenAI `model`); routing rules may match on it
@@ -94,6 +101,9 @@ PREFILL_START_NS = "prefill_start_ns"  # INT64 [1]: wall clock when compute bega
 SKIP_TOKENS = "skip_tokens"
 KV_START = "kv_start"  # INT32 [1]: the first prompt position prefill's payload holds (its skip)
 TOKEN_IDS = "token_ids"  # INT32 [-1]: new tokens of one decode response
+# BYTES [1], optional: JSON [TokenLogprob.to_json(), ...], one per token of a prefill or
+# decode response whose request asks for logprobs
+TOKEN_LOGPROBS = "token_logprobs"
 WORKER_PID = "worker_pid"  # INT32 [1]: the process that produced a response
 # INT32 [4]: a decode engine's sequences running and waiting, its free slots and free KV
 # cache (in tokens), with each response to a caller that asks for it (a frontend choosing
@@ -286,6 +296,7 @@ class Handoff:
     # leading prompt tokens the payload leaves out (decode's prefix cache holds them); 0: the
     # whole prompt's K/V
     kv_start: int = 0
+    first_logprob: TokenLogprob | None = None  # when the request asks for logprobs
 
 
 @dataclass(frozen=True)
@@ -296,6 +307,7 @@ class DecodeStep:
     finish_reason: str | None  # set on the last response
     worker_pid: int
     num_cached_tokens: int = 0  # with the first token decode prefilled: its prefix cache's
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asks
 
 
 @dataclass(frozen=True)
@@ -327,6 +339,9 @@ class Reply:
     kv_bytes: int = 0  # size of the KV payload handed from prefill to decode
     kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
     num_cached_tokens: int = 0  # final: prompt tokens a prefix cache gave (not recomputed)
+    # when the request asks: this response's tokens as OpenAI's logprobs objects (token,
+    # logprob, bytes, top_logprobs), all of the reply's on a whole reply
+    logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -342,3 +357,4 @@ class RoutedReply:
     served_by: str = ""  # final: endpoint name, or the local pipeline's own served_by
     error: str = ""  # final, with finish_reason FINISH_ERROR: what failed
     num_cached_tokens: int = 0  # final: prompt tokens a prefix cache gave
+    logprobs: list[dict[str, Any]] | None = None  # as Reply's

@@ -235,3 +235,64 @@ def test_n_choices_whole_and_streamed_share_one_prefill(client, server):
             if c.finish_reason:
                 finished.add(c.index)
     assert streamed == texts and finished == {0, 1, 2}
+
+
+def test_logprobs_through_every_door(client, server):
+    """Chat (whole and streamed), completions, n=2, and Triton's generate endpoint with
+    TensorRT-LLM's return_log_probs: the tokens' logprobs spell the reply, greedy tokens are
+    their own top alternative, and every door gives the same numbers for the same reply."""
+    whole = chat(client, logprobs=True, top_logprobs=3, max_tokens=8)
+    c = whole.choices[0]
+    content = c.logprobs.content
+    assert "".join(t.token for t in content) == c.message.content
+    assert whole.usage.completion_tokens - len(content) in (0, 1)  # (EOS has none)
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob) and t.logprob <= 0
+        assert bytes(t.bytes).decode() == t.token
+    stream = chat(client, logprobs=True, top_logprobs=3, max_tokens=8, stream=True)
+    streamed = [t for ch in stream if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
+    plain = chat(client, max_tokens=8)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == c.message.content  # asking changes no token
+
+    completion = client.completions.create(
+        model=MODEL, prompt="One, two, three,", max_tokens=6, logprobs=2
+    )
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == completion.choices[0].text
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs)
+    assert all(len(alts) <= 2 and tok in alts for tok, alts in zip(lp.tokens, lp.top_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    two = chat(client, logprobs=True, max_tokens=8, n=2, temperature=1.0, seed=3)
+    assert all(ch.logprobs.content and not ch.logprobs.content[0].top_logprobs
+               for ch in two.choices)  # fmt: skip
+
+    body = {
+        "text_input": ASK[0]["content"], "apply_chat_template": True, "max_tokens": 8,
+        "exclude_input_in_output": True, "return_log_probs": True,
+    }  # fmt: skip
+    for model in ("ensemble", "router"):
+        url = f"http://127.0.0.1:{server.settings.http_port}/v2/models/{model}/generate"
+        req = urllib.request.Request(url, json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+        assert out["text_output"] == c.message.content
+        values = out["output_log_probs"]
+        assert values == pytest.approx([t.logprob for t in content], abs=1e-4), model
+
+
+def test_bad_logprobs_fields_get_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, top_logprobs=2)  # without logprobs
+    assert e.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=21)
+    assert e.value.body["param"] == "logprobs"

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from disagg import contracts as C
+from disagg.codec.fields import GenerationFields
 from disagg.codec.generate import (
-    CLIENT_OUTPUTS,
     ENSEMBLE_INPUTS,
-    GenerationFields,
+    ENSEMBLE_OUTPUTS,
     OrchestratorReply,
     OrchestratorRequest,
     RouterReply,
@@ -51,7 +51,7 @@ MODELS: dict[str, tuple[Tensors, Tensors]] = {
     "tokenizer": (TokenizeCall.TENSORS, TokenizeResponse.TENSORS),
     "prefill": (PrefillCall.TENSORS, PrefillResponse.TENSORS),
     "decode": (DecodeCall.TENSORS, DecodeStepResponse.TENSORS),
-    "ensemble": (ENSEMBLE_INPUTS, CLIENT_OUTPUTS),
+    "ensemble": (ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS),
 }
 _TENSOR = re.compile(
     r'\{\s*name:\s*"(?P<name>\w+)",\s*data_type:\s*(?P<type>TYPE_\w+),\s*'
@@ -226,7 +226,7 @@ def test_the_orchestrators_reply_as_the_router_reads_it():
         "Paris", 5, 1, "stop", served_by=C.DISAGGREGATED
     )
     delta = OrchestratorReply.encode(Reply("Par", 5, 1), batched=True)
-    assert set(delta) == set(CLIENT_OUTPUTS.names)  # where it was served: final only
+    assert set(delta) == set(ENSEMBLE_OUTPUTS.names)  # where it was served: final only
     assert OrchestratorReply.decode(encode_ack(9, batched=True)) is None
 
 

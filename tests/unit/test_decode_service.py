@@ -54,7 +54,7 @@ class OrderSink:
         self.done = threading.Event()
         self.lock = threading.Lock()
 
-    def send(self, token_ids, finish_reason, num_cached_tokens=0):
+    def send(self, token_ids, finish_reason, num_cached_tokens=0, logprobs=None):
         if not token_ids and finish_reason is None:
             time.sleep(0.002)  # a slow acknowledgement (a busy stub): the loop must still wait
         with self.lock:
@@ -98,7 +98,7 @@ def test_a_refused_request_was_acknowledged_then_raises():
 class CallerGoneSink(OrderSink):
     """A request whose caller died after the acknowledgement: every later send refuses."""
 
-    def send(self, token_ids, finish_reason, num_cached_tokens=0):
+    def send(self, token_ids, finish_reason, num_cached_tokens=0, logprobs=None):
         if token_ids or finish_reason is not None:
             raise RuntimeError("the caller died")
         super().send(token_ids, finish_reason)
@@ -107,7 +107,7 @@ class CallerGoneSink(OrderSink):
 class BlockingSink(OrderSink):
     """A send that never returns (a response queued for a dead BLS caller in Triton 2.51)."""
 
-    def send(self, token_ids, finish_reason, num_cached_tokens=0):
+    def send(self, token_ids, finish_reason, num_cached_tokens=0, logprobs=None):
         if token_ids or finish_reason is not None:
             threading.Event().wait()
         super().send(token_ids, finish_reason)

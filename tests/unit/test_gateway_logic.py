@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from disagg.codec.generate import GenerationFields
+from disagg.codec.fields import GenerationFields
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KeyStore, RateLimiter, key_hash, new_key, write_keys_file
 from disagg.gateway.errors import APIError
@@ -53,8 +53,9 @@ def test_chat_request_maps_to_router_inputs():
     [
         ({"n": 17}, "n"),
         ({"n": 0}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 1}, "logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"five": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": [5]}, "logit_bias"),

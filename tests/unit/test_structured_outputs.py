@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from disagg import contracts as C
-from disagg.codec.generate import GenerationFields
+from disagg.codec.fields import GenerationFields
 from disagg.engine.sampling import sample_batch, sample_one
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import RequestError

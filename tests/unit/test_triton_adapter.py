@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from disagg import contracts as C
-from disagg.codec.generate import CLIENT_OUTPUTS
+from disagg.codec.generate import ENSEMBLE_OUTPUTS
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import ConfigError, KVPayloadError, KVPrefixMissError, PoolError, RequestError
 
@@ -123,7 +123,7 @@ def test_the_routers_final_response_says_where_it_was_routed(t):
     assert out[C.TEXT_OUTPUT].shape == (1, 1) and out[C.TEXT_OUTPUT][0, 0] == b"hi"
     assert (out[C.ROUTE_TARGET][0, 0], out[C.SERVED_BY][0, 0]) == (b"lpu", b"groq")
     delta = _outputs(t.pb.routed_response(C.RoutedReply("h", 3, 1), batched=True))
-    assert set(delta) == set(CLIENT_OUTPUTS.names)  # routing outputs on the final one only
+    assert set(delta) == set(ENSEMBLE_OUTPUTS.names)  # routing outputs on the final one only
 
 
 def test_model_parameters_arrive_typed(t):

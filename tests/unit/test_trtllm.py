@@ -136,7 +136,7 @@ class Sink:
         self.finish: str | None = None
         self.done = threading.Event()
 
-    def send(self, token_ids, finish_reason, num_cached_tokens=0):
+    def send(self, token_ids, finish_reason, num_cached_tokens=0, logprobs=None):
         self.tokens += token_ids
         if finish_reason is not None:
             self.finish = finish_reason

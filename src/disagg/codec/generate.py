@@ -6,14 +6,13 @@ and the ensemble, and for everything that calls them (the gateway, disagg.client
     ensemble: TokenizeCall -> tokenizer -> TokenizeResponse (input_ids) -> orchestrator
 
 Client-facing names, dtypes and shapes are the TensorRT-LLM ensemble's, so its clients work
-unchanged. `GenerationFields` is how both the router and the orchestrator read them.
+unchanged; codec/fields.py reads them for both the router and the orchestrator.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,6 @@ from disagg.codec.tensors import (
     scalar,
 )
 from disagg.contracts import Reply, RoutedReply
-from disagg.errors import RequestError
 
 
 def _optional(name: str, dtype: type, dims: tuple[int, ...] = (1,)) -> TensorSpec:
@@ -66,6 +64,8 @@ GENERATION = Tensors(
         _optional(C.LOGIT_BIAS, np.object_),
         _optional(C.GUIDED_DECODING_GUIDE_TYPE, np.object_),
         _optional(C.GUIDED_DECODING_GUIDE, np.object_),
+        _optional(C.RETURN_LOG_PROBS, np.bool_),
+        _optional(C.TOP_LOGPROBS, np.int32),
     )
 )
 # the prompt as chat messages, or text to wrap as a user turn (the router or the tokenizer
@@ -82,7 +82,7 @@ ROUTING_HINTS = Tensors(
     )
 )
 _INPUT_IDS = TensorSpec(C.INPUT_IDS, np.int32, (-1,))
-# The ensemble's four outputs, on every response of the router, the orchestrator, the ensemble.
+# The ensemble's outputs, on every response of the router, the orchestrator, the ensemble.
 CLIENT_OUTPUTS = Tensors(
     (
         TensorSpec(C.TEXT_OUTPUT, np.object_, (-1,)),
@@ -91,93 +91,13 @@ CLIENT_OUTPUTS = Tensors(
         TensorSpec(C.FINISH_REASON, np.object_),
     )
 )
+# The response's tokens' log-probabilities, as TensorRT-LLM's output (beams x tokens: one
+# beam; on every response, empty unless return_log_probs) and, with return_log_probs, as
+# OpenAI's objects (the tokens' text, the top alternatives), which the gateway passes on
+_OUTPUT_LOG_PROBS = TensorSpec(C.OUTPUT_LOG_PROBS, np.float32, (-1, -1))
+LOGPROB_OUTPUTS = Tensors((_OUTPUT_LOG_PROBS, TensorSpec(C.OUTPUT_LOGPROBS_CONTENT, np.object_)))
 ENSEMBLE_INPUTS = GENERATION + PROMPT_FORMS  # the ensemble: the router's inputs minus hints
-
-
-# ------------------------------------------------------------------ the client's fields
-
-EXCLUDE_INPUT_DEFAULT = False  # TensorRT-LLM's: a reply starts with its prompt unless asked
-
-
-@dataclass(frozen=True)
-class GenerationFields:
-    """The client's generation inputs as plain values with their defaults, as the router
-    (routing/request.py) and the orchestrator (pipeline/orchestrator.py) both read them."""
-
-    text_input: str = ""
-    max_tokens: int | None = None  # None: the server's max_tokens_default
-    stream: bool = False
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None  # None: a random seed per request
-    stop_words: tuple[str, ...] = ()  # empty strings dropped (TensorRT-LLM clients send [""])
-    bad_words: tuple[str, ...] = ()  # the same
-    end_id: int | None = None
-    pad_id: int | None = None
-    exclude_input_in_output: bool = EXCLUDE_INPUT_DEFAULT
-    ignore_eos: bool = False
-    cache_salt: str = ""
-    use_prefix_cache: bool = True
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_length: int = 0  # min_tokens
-    stop_token_ids: tuple[int, ...] = ()
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), from LOGIT_BIAS's JSON
-    guide_type: str = ""  # guided decoding: engine/grammar.py
-    guide: str = ""
-
-    @classmethod
-    def parse(cls, fields: Mapping[str, Any]) -> GenerationFields:
-        """`fields`: present inputs only, as `Tensors.read` returns them."""
-
-        def opt_int(name: str) -> int | None:
-            return None if fields.get(name) is None else int(fields[name])
-
-        return cls(
-            text_input=fields.get(C.TEXT_INPUT, ""),
-            max_tokens=opt_int(C.MAX_TOKENS),
-            stream=bool(fields.get(C.STREAM, False)),
-            temperature=float(fields.get(C.TEMPERATURE, 0.0)),
-            top_k=int(fields.get(C.TOP_K, 0)),
-            top_p=float(fields.get(C.TOP_P, 1.0)),
-            seed=opt_int(C.SEED),
-            stop_words=tuple(s for s in fields.get(C.STOP_WORDS, []) if s),
-            bad_words=tuple(w for w in fields.get(C.BAD_WORDS, []) if w),
-            end_id=opt_int(C.END_ID),
-            pad_id=opt_int(C.PAD_ID),
-            exclude_input_in_output=bool(
-                fields.get(C.EXCLUDE_INPUT_IN_OUTPUT, EXCLUDE_INPUT_DEFAULT)
-            ),
-            ignore_eos=bool(fields.get(C.IGNORE_EOS, False)),
-            cache_salt=str(fields.get(C.CACHE_SALT, "")),
-            use_prefix_cache=bool(fields.get(C.USE_PREFIX_CACHE, True)),
-            presence_penalty=float(fields.get(C.PRESENCE_PENALTY, 0.0)),
-            frequency_penalty=float(fields.get(C.FREQUENCY_PENALTY, 0.0)),
-            repetition_penalty=float(fields.get(C.REPETITION_PENALTY, 1.0)),
-            min_length=int(fields.get(C.MIN_LENGTH, 0)),
-            stop_token_ids=tuple(int(t) for t in fields.get(C.STOP_TOKEN_IDS, [])),
-            logit_bias=parse_logit_bias(fields.get(C.LOGIT_BIAS, "")),
-            guide_type=str(fields.get(C.GUIDED_DECODING_GUIDE_TYPE, "")),
-            guide=str(fields.get(C.GUIDED_DECODING_GUIDE, "")),
-        )
-
-
-def parse_logit_bias(text: str) -> tuple[tuple[int, float], ...]:
-    """LOGIT_BIAS's JSON object ({"token id": bias}, OpenAI's shape) as (id, bias) pairs;
-    the ranges are SamplingParams.validate's to check."""
-    if not text:
-        return ()
-    try:
-        body = json.loads(text)
-        if not isinstance(body, dict):
-            raise ValueError("not a JSON object")
-        return tuple((int(k), float(v)) for k, v in body.items())
-    except (ValueError, TypeError) as e:
-        raise RequestError(
-            f'{C.LOGIT_BIAS} must be a JSON object of token ids to biases ({{"42": -100}}): {e}'
-        ) from e
+ENSEMBLE_OUTPUTS = CLIENT_OUTPUTS + Tensors((_OUTPUT_LOG_PROBS,))
 
 
 # ------------------------------------------------------------------ requests
@@ -257,12 +177,29 @@ _PYTHON_DTYPES = {str: np.object_, bool: np.bool_, int: np.int32, float: np.floa
 
 
 def _client_values(reply: Reply | RoutedReply) -> dict[str, Any]:
-    return {
+    values: dict[str, Any] = {
         C.TEXT_OUTPUT: reply.text,
         C.NUM_INPUT_TOKENS: reply.num_input_tokens,
         C.NUM_OUTPUT_TOKENS: reply.num_output_tokens,
         C.FINISH_REASON: reply.finish_reason or "",
     }
+    # always, as TensorRT-LLM's ensemble (empty unless asked): an ensemble maps it from every
+    # response of the orchestrator
+    values[C.OUTPUT_LOG_PROBS] = [float(t["logprob"]) for t in reply.logprobs or ()]
+    if reply.logprobs is not None:
+        values[C.OUTPUT_LOGPROBS_CONTENT] = json.dumps(reply.logprobs)
+    return values
+
+
+def read_logprobs(arrays: Mapping[str, Array]) -> list[dict[str, Any]] | None:
+    """OUTPUT_LOGPROBS_CONTENT of a response, when it carries it."""
+    value = arrays.get(C.OUTPUT_LOGPROBS_CONTENT)
+    if value is None:
+        return None
+    content = json.loads(value.reshape(-1)[0])
+    if not isinstance(content, list):
+        raise ValueError(f"{C.OUTPUT_LOGPROBS_CONTENT} is not a JSON array")
+    return content
 
 
 class OrchestratorReply:
@@ -280,10 +217,11 @@ class OrchestratorReply:
             TensorSpec(C.NUM_CACHED_TOKENS, np.int32),
         )
     )  # final response only
-    TENSORS = CLIENT_OUTPUTS + EXTRAS + ACK + FAILURE
+    TENSORS = CLIENT_OUTPUTS + LOGPROB_OUTPUTS + EXTRAS + ACK + FAILURE
     # what the router asks for: the reply, who served it, and the BLS contract's outputs
     REQUESTED_BY_ROUTER = (
-        *CLIENT_OUTPUTS.names, C.SERVED_BY, C.NUM_CACHED_TOKENS, *ACK.names, *FAILURE.names
+        *CLIENT_OUTPUTS.names, C.OUTPUT_LOGPROBS_CONTENT, C.SERVED_BY, C.NUM_CACHED_TOKENS,
+        *ACK.names, *FAILURE.names,
     )  # fmt: skip
 
     @staticmethod
@@ -316,6 +254,7 @@ class OrchestratorReply:
             finish_reason=reason or None,
             served_by="" if served is None else served.reshape(-1)[0].decode(),
             num_cached_tokens=0 if cached is None else int(cached.reshape(-1)[0]),
+            logprobs=read_logprobs(arrays),
         )
 
 
@@ -329,7 +268,7 @@ class RouterReply:
         )
     )
     EXTRAS = ROUTING + Tensors((TensorSpec(C.NUM_CACHED_TOKENS, np.int32),))  # final only
-    TENSORS = CLIENT_OUTPUTS + EXTRAS
+    TENSORS = CLIENT_OUTPUTS + LOGPROB_OUTPUTS + EXTRAS
 
     @staticmethod
     def encode(reply: RoutedReply, batched: bool) -> Arrays:
@@ -358,6 +297,7 @@ class RouterReply:
             served_by=extras.get(C.SERVED_BY, ""),
             error=extras.get(C.ERROR, ""),
             num_cached_tokens=int(scalar(arrays.get(C.NUM_CACHED_TOKENS)) or 0),
+            logprobs=read_logprobs(arrays),
         )
 
     @staticmethod

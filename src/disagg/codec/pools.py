@@ -12,6 +12,7 @@ JSON string, the KV cache as the bytes of a KVPayload (or a kvnet reference to p
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import numpy as np
 from disagg import contracts as C
 from disagg.codec.tensors import FAILURE, Array, Arrays, Tensors, TensorSpec, required
 from disagg.contracts import DecodeStep, Handoff
-from disagg.engine.sequence import SamplingParams
+from disagg.engine.sequence import SamplingParams, TokenLogprob
 from disagg.errors import KVPayloadError, RequestError
 
 _SAMPLING = TensorSpec(C.SAMPLING, np.object_)  # BYTES [1]: JSON of SamplingParams
@@ -31,8 +32,35 @@ _WORKER_PID = TensorSpec(C.WORKER_PID, np.int32)  # the process that answered
 _NUM_CACHED = TensorSpec(C.NUM_CACHED_TOKENS, np.int32)  # prompt tokens from a prefix cache
 
 
+_LOGPROBS = TensorSpec(C.TOKEN_LOGPROBS, np.object_)  # JSON: one TokenLogprob per token
+
+
 def _first_int(arrays: Mapping[str, Array], name: str) -> int:
     return int(required(arrays, name)[0])
+
+
+def _logprobs_json(logprobs: list[TokenLogprob]) -> str:
+    return json.dumps([lp.to_json() for lp in logprobs])
+
+
+def _first_logprob(arrays: Mapping[str, Array]) -> TokenLogprob | None:
+    logprobs = _read_logprobs(arrays, 1)
+    return logprobs[0] if logprobs else None
+
+
+def _read_logprobs(arrays: Mapping[str, Array], num_tokens: int) -> list[TokenLogprob] | None:
+    """TOKEN_LOGPROBS, when sent: one per token (RequestError when it is not)."""
+    value = arrays.get(C.TOKEN_LOGPROBS)
+    if value is None:
+        return None
+    try:
+        items = json.loads(value.reshape(-1)[0])
+        logprobs = [TokenLogprob.from_json(x) for x in items]
+    except (ValueError, TypeError) as e:
+        raise RequestError(f"malformed {C.TOKEN_LOGPROBS}: {e}") from e
+    if len(logprobs) != num_tokens:
+        raise RequestError(f"{C.TOKEN_LOGPROBS}: {len(logprobs)} for {num_tokens} tokens")
+    return logprobs
 
 
 # ------------------------------------------------------------------ prefill
@@ -90,6 +118,7 @@ class PrefillResponse:
             TensorSpec(C.PREFILL_START_NS, np.int64),  # wall clock when compute began
             _NUM_CACHED,
             TensorSpec(C.KV_START, np.int32),  # the payload's first prompt position
+            _LOGPROBS,  # the first token's, when asked for
         )
     )
 
@@ -103,8 +132,9 @@ class PrefillResponse:
         start_ns: int,
         num_cached_tokens: int = 0,
         kv_start: int = 0,
+        first_logprob: TokenLogprob | None = None,
     ) -> Arrays:
-        values = {
+        values: dict[str, object] = {
             C.FIRST_TOKEN: first_token,
             C.RESOLVED_SEED: seed,
             C.KV_PAYLOAD: kv_payload,
@@ -114,6 +144,8 @@ class PrefillResponse:
             C.NUM_CACHED_TOKENS: num_cached_tokens,
             C.KV_START: kv_start,
         }
+        if first_logprob is not None:
+            values[C.TOKEN_LOGPROBS] = _logprobs_json([first_logprob])
         return PrefillResponse.TENSORS.encode(values)
 
     @staticmethod
@@ -128,6 +160,7 @@ class PrefillResponse:
             num_cached_tokens=_first_int(arrays, C.NUM_CACHED_TOKENS),
             # absent from an older prefill server: it sent the whole prompt
             kv_start=int(arrays[C.KV_START].reshape(-1)[0]) if C.KV_START in arrays else 0,
+            first_logprob=_first_logprob(arrays),
         )
 
 
@@ -209,6 +242,7 @@ class DecodeStepResponse:
                 _WORKER_PID,
                 _NUM_CACHED,
                 _LOAD,
+                _LOGPROBS,  # when the request asks for them
             )
         )
         + FAILURE
@@ -228,6 +262,7 @@ class DecodeStepResponse:
         pid: int,
         load: tuple[int, ...] | None = None,
         num_cached_tokens: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> Arrays:
         values: dict[str, object] = {
             C.TOKEN_IDS: token_ids,
@@ -237,16 +272,20 @@ class DecodeStepResponse:
         }
         if load is not None:
             values[C.DECODE_LOAD] = list(load)
+        if logprobs:
+            values[C.TOKEN_LOGPROBS] = _logprobs_json(logprobs)
         return DecodeStepResponse.TENSORS.encode(values)
 
     @staticmethod
     def decode(arrays: Mapping[str, Array]) -> DecodeStep:
         reason = required(arrays, C.FINISH_REASON)[0].decode()
+        tokens = [int(t) for t in required(arrays, C.TOKEN_IDS)]
         return DecodeStep(
-            token_ids=[int(t) for t in required(arrays, C.TOKEN_IDS)],
+            token_ids=tokens,
             finish_reason=reason or None,
             worker_pid=_first_int(arrays, C.WORKER_PID),
             num_cached_tokens=_first_int(arrays, C.NUM_CACHED_TOKENS),
+            logprobs=_read_logprobs(arrays, len(tokens)),
         )
 
     @staticmethod

@@ -63,12 +63,15 @@ class TensorSpec:
 
     def array(self, value: Any, batched: bool = False) -> Array:
         """`value` (one value or a sequence of them; text as str or bytes) as this tensor:
-        [n], or [1, n] for a model with a batch dimension."""
+        [n], or [1, n] for a model with a batch dimension; [1, n] / [1, 1, n] for dims of
+        two."""
         if self.dtype is np.object_:
             items = [value] if isinstance(value, str | bytes) else list(value)
             value = [v.encode("utf-8") if isinstance(v, str) else v for v in items]
         arr: Array = np.asarray(value, dtype=self.dtype).reshape(-1)
-        return arr[None, :] if batched else arr
+        if len(self.dims) > 1:  # [-1, -1] (beams x tokens): one beam
+            arr = arr.reshape((1,) * (len(self.dims) - 1) + (-1,))
+        return arr[None] if batched else arr
 
 
 @dataclass(frozen=True)

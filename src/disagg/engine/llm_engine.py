@@ -27,13 +27,14 @@ from disagg.engine.kv_reuse import complete_handoff, kv_reuse_for
 from disagg.engine.model import KVCacheSlots, Llama
 from disagg.engine.prefill_engine import PrefillEngine, PrefillResult, resolve_seed
 from disagg.engine.quant import DIRECT_ROWS
-from disagg.engine.sampling import sample_batch, sample_one
+from disagg.engine.sampling import sample_batch, sample_one, token_logprobs
 from disagg.engine.scheduler import Scheduler, SlotMove
 from disagg.engine.sequence import (
     FinishReason,
     SamplingParams,
     Sequence,
     SequenceStatus,
+    TokenLogprob,
     validate_request,
 )
 from disagg.errors import ConfigError, RequestError
@@ -50,6 +51,7 @@ class TokenOutput:
     index: int  # position of token_id in the output (0 = first token)
     finish_reason: FinishReason | None  # set on the request's last event
     num_reused_tokens: int = 0  # with index 0: prompt tokens the prefix cache gave
+    logprob: TokenLogprob | None = None  # with token_id, when the request asks for logprobs
 
 
 class DecodeEngine:
@@ -211,12 +213,13 @@ class DecodeEngine:
             self.eos_token_ids,
             [s.guide for s in ready],
         )
+        logprobs = token_logprobs(logits, new, [s.params for s in ready])
         self.num_steps += 1
         with self._lock:
             finished = dict(self.scheduler.postprocess(ready, new))
-            for seq, token in zip(ready, new, strict=True):
-                finish = finished.get(seq)
-                outputs.append(TokenOutput(seq.request_id, token, len(seq.output_ids) - 1, finish))
+            for seq, token, lp in zip(ready, new, logprobs, strict=True):
+                index, finish = len(seq.output_ids) - 1, finished.get(seq)
+                outputs.append(TokenOutput(seq.request_id, token, index, finish, logprob=lp))
             for seq, reason in finished.items():
                 self._finish(seq, reason, outputs, announced=True)
         return outputs
@@ -280,12 +283,16 @@ class DecodeEngine:
         if seq.use_cache:
             assert self.kv_reuse is not None
             self.kv_reuse.keep(seq, self.cache)
+        logits = logits.cpu()
         first = sample_one(
-            logits.cpu(), seq.params, seq.seed, [], seq.prompt_ids, self.eos_token_ids, seq.guide
+            logits, seq.params, seq.seed, [], seq.prompt_ids, self.eos_token_ids, seq.guide
         )
+        lp = token_logprobs(logits[None], [first], [seq.params])[0]
         seq.output_ids.append(first)
         reason = self.scheduler.stop_reason(seq)
-        outputs.append(TokenOutput(seq.request_id, first, 0, reason, seq.num_reused_tokens))
+        outputs.append(
+            TokenOutput(seq.request_id, first, 0, reason, seq.num_reused_tokens, logprob=lp)
+        )
         return reason
 
     def _others_decoding(self, seq: Sequence) -> bool:

@@ -23,8 +23,8 @@ from disagg.engine.grammar import guide_for
 from disagg.engine.kv_payload import KVPayload, check_start
 from disagg.engine.kv_reuse import kv_reuse_for
 from disagg.engine.model import KVCacheSlots, Llama, zeros_kv
-from disagg.engine.sampling import sample_one
-from disagg.engine.sequence import SamplingParams, validate_request
+from disagg.engine.sampling import sample_one, token_logprobs
+from disagg.engine.sequence import SamplingParams, TokenLogprob, validate_request
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class PrefillResult:
     seed: int  # effective seed, so decode continues the same random stream
     prefill_time_s: float
     num_reused_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    first_logprob: TokenLogprob | None = None  # when the request asks for logprobs
 
 
 def resolve_seed(params: SamplingParams) -> int:
@@ -98,8 +99,11 @@ class PrefillEngine:
         if reuse is not None and hit is not None:  # (both or neither)
             reuse.save(prompt_ids, salt, k, v, hashes=hit.hashes)
         seed = resolve_seed(params)
-        first = sample_one(logits.cpu(), params, seed, [], prompt_ids, self.eos_token_ids, guide)
+        logits = logits.cpu()
+        first = sample_one(logits, params, seed, [], prompt_ids, self.eos_token_ids, guide)
+        lp = token_logprobs(logits[None], [first], [params])[0]
         k, v = k[:, :, skip_tokens:], v[:, :, skip_tokens:]  # views: pack copies only these
         kv = KVPayload.from_arrays(self.model.args, k.cpu().numpy(), v.cpu().numpy(), skip_tokens)
         reused = hit.num_cached_tokens if hit else 0
-        return PrefillResult(request_id, first, kv, seed, time.perf_counter() - start, reused)
+        elapsed = time.perf_counter() - start
+        return PrefillResult(request_id, first, kv, seed, elapsed, reused, lp)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from disagg.engine.sequence import SamplingParams
+from disagg.engine.sequence import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from disagg.engine.grammar import Guide
@@ -140,3 +140,24 @@ def sample_batch(
         else sample_one(logits[b], p, seeds[b], histories[b], prompts[b], eos_token_ids, guides[b])
         for b, p in enumerate(params)
     ]
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], params: Sequence[SamplingParams]
+) -> list[TokenLogprob | None]:
+    """logits: [B, V], the model's raw logits of the rows whose `tokens` were just sampled ->
+    each row's TokenLogprob if its request asked for logprobs (None otherwise). One
+    log_softmax over the rows that ask; the others cost nothing."""
+    out: list[TokenLogprob | None] = [None] * len(params)
+    rows = [b for b, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [R, V]
+    chosen = logp.gather(1, torch.tensor([[tokens[b]] for b in rows])).squeeze(1).tolist()
+    k = max(params[b].logprobs or 0 for b in rows)
+    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    values, ids = top_v.tolist(), top_i.tolist()
+    for r, b in enumerate(rows):
+        n = params[b].logprobs or 0
+        out[b] = TokenLogprob(chosen[r], tuple(zip(ids[r][:n], values[r][:n], strict=True)))
+    return out

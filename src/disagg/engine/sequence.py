@@ -25,6 +25,7 @@ MAX_REPETITION_PENALTY = 100.0
 GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "lark")
 MAX_GUIDE_CHARS = 64 * 1024
 MAX_GUIDE_TOKENS = 1 << 20
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit, vLLM's default)
 
 
 class FinishReason(enum.StrEnum):
@@ -65,6 +66,9 @@ class SamplingParams:
     guide_type: str = ""  # "": none; else one of GUIDE_TYPES
     guide: str = ""
     guide_tokens: tuple[int, ...] = ()
+    # Not sampling either: each output token's log-probability goes out with it, and this
+    # many most likely alternatives (None: none of it; 0: the token's own alone)
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -117,6 +121,14 @@ class SamplingParams:
             raise RequestError(f"use_cache must be a boolean, got {self.use_cache!r}")
         self._validate_penalties(vocab_size)
         self._validate_guide(vocab_size)
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int)
+            or isinstance(self.logprobs, bool)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise RequestError(
+                f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
         if len(self.bad_words_ids) > MAX_STOP_STRINGS or any(
             not w or any(not isinstance(t, int) or not 0 <= t < vocab_size for t in w)
             for w in self.bad_words_ids
@@ -173,6 +185,28 @@ class SamplingParams:
             not isinstance(t, int) or not 0 <= t < vocab_size for t in self.guide_tokens
         ):
             raise RequestError(f"guide_tokens must be token ids in [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability, and the `top` most likely tokens at its position
+    (token id, log-probability), best first. Both from the model's own distribution, before
+    penalties, logit_bias, the grammar's mask or temperature change it (vLLM's default,
+    `raw_logprobs`): what the model thinks, not what the sampler drew from."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_json(self) -> list[object]:
+        return [self.logprob, [list(t) for t in self.top]]
+
+    @classmethod
+    def from_json(cls, data: object) -> TokenLogprob:
+        """Raises ValueError / TypeError on anything but to_json's shape."""
+        if not isinstance(data, list) or len(data) != 2:
+            raise ValueError("a token logprob is [logprob, [[id, logprob], ...]]")
+        lp, top = data
+        return cls(float(lp), tuple((int(t), float(v)) for t, v in top))
 
 
 def _is_number(value: object, lo: float, hi: float) -> bool:

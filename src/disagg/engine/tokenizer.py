@@ -47,6 +47,18 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """What one token stands for, as bytes: a byte-level BPE token may hold part of a
+        character, which decoding it alone would turn into U+FFFD (OpenAI's logprobs give
+        both: the text and the bytes)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        try:
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        except KeyError:  # not a byte-level vocabulary (or an added token outside it)
+            return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def apply_chat_template(
         self, messages: list[Message], add_generation_prompt: bool = True
     ) -> str:
@@ -88,6 +100,23 @@ def check_messages(messages: object) -> None:
             raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}")
         if not isinstance(m.get("content"), str):
             raise RequestError(f"messages[{i}].content must be a string")
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: every byte as one printable character (the printable
+    Latin-1 ones as themselves, the rest from U+0100 on), inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_DECODER = _bytes_to_unicode()
 
 
 class TextStream:

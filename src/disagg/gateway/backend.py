@@ -31,6 +31,8 @@ class Piece:
     finish_reason: str | None
     extra: dict[str, str] = field(default_factory=dict)
     num_cached_tokens: int = 0  # on the last: prompt tokens a prefix cache gave
+    # with logprobs asked for: this piece's tokens as OpenAI's chat logprobs objects
+    logprobs: list[dict[str, Any]] | None = None
 
 
 def _inputs(fields: dict[str, Any]) -> list[grpcclient.InferInput]:
@@ -54,6 +56,7 @@ def _piece(result: grpcclient.InferResult) -> Piece:
         finish_reason=reply.finish_reason,
         extra=RouterReply.extras(arrays),
         num_cached_tokens=reply.num_cached_tokens,
+        logprobs=reply.logprobs,
     )
 
 

@@ -23,8 +23,8 @@ from disagg import contracts as C
 from disagg.gateway import openai_api as oa
 from disagg.gateway.backend import Piece
 from disagg.gateway.call import Call
+from disagg.gateway.choice_stream import ChoiceStream, Whole, collect
 from disagg.gateway.errors import APIError
-from disagg.gateway.tools import ToolStream
 
 log = logging.getLogger("disagg.gateway")
 Pieces = AsyncGenerator[Piece, None]
@@ -60,16 +60,8 @@ async def close_all(streams: list[Pieces]) -> None:
             await s.aclose()
 
 
-async def collect_all(call: Call, streams: list[Pieces]) -> list[tuple[str, Piece]] | None:
-    """Every choice's whole text and last piece; None if the client went away meanwhile."""
-
-    async def collect(pieces: Pieces) -> tuple[str, Piece | None]:
-        text, last = "", None
-        async for piece in pieces:
-            text += piece.text
-            last = piece
-        return text, last
-
+async def collect_all(call: Call, streams: list[Pieces]) -> list[Whole] | None:
+    """Every choice read to its end; None if the client went away meanwhile."""
     tasks = [asyncio.ensure_future(collect(s)) for s in streams]
     try:
         while not all(t.done() for t in tasks):
@@ -88,28 +80,23 @@ async def collect_all(call: Call, streams: list[Pieces]) -> list[tuple[str, Piec
         await close_all(streams)
     out = []
     for t in tasks:
-        text, last = t.result()  # (raises the first choice's error, an APIError)
-        if last is None or last.finish_reason is None:
+        whole = t.result()  # (raises the first choice's error, an APIError)
+        if whole.last is None or whole.last.finish_reason is None:
             raise APIError(502, "the model ended without a finish reason", "server_error")
-        out.append((text, last))
+        out.append(whole)
     return out
 
 
-def whole_response(call: Call, results: list[tuple[str, Piece]]) -> dict[str, Any]:
+def whole_response(call: Call, results: list[Whole]) -> dict[str, Any]:
+    """Usage counts the prompt once and every choice's completion tokens."""
     req = call.req
     assert req is not None
-    first = results[0][1]
-    n_out = sum(last.num_output_tokens for _, last in results)
-    body = oa.full_response(
-        req, call.rid, results[0][0], first.finish_reason or "", first.num_input_tokens,
-        n_out, call.fingerprint, first.num_cached_tokens,
-    )  # fmt: skip
-    choices = []
-    for i, (text, last) in enumerate(results):
-        one = oa.full_response(req, call.rid, text, last.finish_reason or "", 0, 0, "")
-        choices.append({**one["choices"][0], "index": i})
-    body["choices"] = choices
-    return body
+    first = results[0].last
+    assert first is not None
+    n_out = sum(w.last.num_output_tokens for w in results if w.last is not None)
+    use = oa.usage(first.num_input_tokens, n_out, first.num_cached_tokens)
+    choices = [w.choice(req, i) for i, w in enumerate(results)]
+    return oa.whole_body(req, call.rid, call.fingerprint, choices, use)
 
 
 async def stream_events(call: Call, streams: list[Pieces]) -> AsyncIterator[bytes]:
@@ -128,7 +115,7 @@ async def stream_events(call: Call, streams: list[Pieces]) -> AsyncIterator[byte
             await queue.put((i, None))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    tools = [ToolStream(req.tools) if req.tools is not None else None for _ in streams]
+    per_choice = [ChoiceStream(req, rid, fp) for _ in streams]
     n_out = [0] * len(streams)
     n_in = n_cached = 0
     try:
@@ -152,19 +139,8 @@ async def stream_events(call: Call, streams: list[Pieces]) -> AsyncIterator[byte
             call.n_in, call.n_out = n_in, sum(n_out)
             if piece.finish_reason == C.FINISH_ERROR:
                 raise APIError(502, piece.extra.get(C.ERROR) or "the model failed", "server_error")
-            text, calls, tool = piece.text, None, tools[i]
-            if tool is not None:
-                text, calls = tool.feed(piece.text)
-                if piece.finish_reason is not None:
-                    text += tool.finish()
-            if text or calls:
-                chunk = oa.chunk(req, rid, fp, text=text or None, tool_calls=calls)
+            for chunk in per_choice[i].chunks(piece):
                 yield oa.sse(_indexed(chunk, i))
-            if piece.finish_reason is not None:
-                finish = piece.finish_reason
-                if tool is not None and tool.calls and finish == "stop":
-                    finish = oa.TOOL_CALLS
-                yield oa.sse(_indexed(oa.chunk(req, rid, fp, finish=finish), i))
         if req.include_usage:
             yield oa.sse(oa.usage_chunk(req, rid, fp, n_in, sum(n_out), n_cached))
         call.status = 200

@@ -1,8 +1,9 @@
 """OpenAI request bodies -> the router's inputs, and the router's outputs -> OpenAI responses.
 
 Fields disagg cannot honour are refused with a 400 naming them, never silently ignored:
-`logprobs`, `top_logprobs`, the deprecated functions, and for completions `echo`,
-`best_of` > 1, `suffix` and several prompts. Sampling controls beyond OpenAI's (vLLM's
+the deprecated functions, and for completions `echo`, `best_of` > 1, `suffix` and several
+prompts. Logprobs come from the model's raw distribution (engine/sequence.py TokenLogprob),
+at most MAX_LOGPROBS alternatives per token. Sampling controls beyond OpenAI's (vLLM's
 extensions): `repetition_penalty`, `min_tokens`, `stop_token_ids`; structured outputs:
 openai_structured.py.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg import contracts as C
-from disagg.engine.sequence import FinishReason
+from disagg.engine.sequence import MAX_LOGPROBS, FinishReason
 from disagg.gateway.errors import bad_request, unsupported
 from disagg.gateway.openai_sampling import max_tokens_of, number, sampling_controls
 from disagg.gateway.openai_structured import structured_output
@@ -38,6 +39,7 @@ class GenRequest:
     include_usage: bool = False
     tools: Tools | None = None  # offered to the model: its reply is parsed for calls
     n: int = 1  # choices (gateway/choices.py)
+    logprobs: bool = False  # each choice carries its tokens' logprobs
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -85,11 +87,31 @@ def _hints(body: JSON, inputs: dict[str, object]) -> None:
         inputs[C.TASK_TYPE] = task_type
 
 
+def _logprobs(body: JSON, kind: str, inputs: dict[str, object]) -> bool:
+    """Chat: `logprobs` (a boolean) and `top_logprobs` (alternatives, 0-20, only with
+    logprobs). Completions: `logprobs`, the number of alternatives (OpenAI allows 5; 20
+    here, as vLLM). Whether the reply carries logprobs."""
+    value = body.get("logprobs")
+    if kind == "chat":
+        if value is not None and not isinstance(value, bool):
+            raise bad_request("'logprobs' must be a boolean", "logprobs")
+        top = number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True)
+        if top is not None and not value:
+            raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+        on, alternatives = bool(value), int(top or 0)
+    else:
+        if body.get("top_logprobs") is not None:
+            raise unsupported("top_logprobs", "completions take the count as 'logprobs'")
+        top = number(body, "logprobs", 0, MAX_LOGPROBS, integer=True)
+        on, alternatives = top is not None, int(top or 0)
+    if on:
+        inputs[C.RETURN_LOG_PROBS] = True
+        if alternatives:
+            inputs[C.TOP_LOGPROBS] = alternatives
+    return on
+
+
 def _refuse_unsupported(body: JSON, kind: str) -> None:
-    if body.get("logprobs") not in (None, False, 0):
-        raise unsupported("logprobs")
-    if body.get("top_logprobs"):
-        raise unsupported("top_logprobs")
     if kind == "completion":
         if body.get("echo"):
             raise unsupported("echo")
@@ -173,6 +195,7 @@ def parse_request(body: object, kind: str) -> GenRequest:
     if ignore_eos:
         inputs[C.IGNORE_EOS] = True
     _prefix_cache(body, inputs)
+    logprobs = _logprobs(body, kind, inputs)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
@@ -192,6 +215,7 @@ def parse_request(body: object, kind: str) -> GenRequest:
         include_usage=include_usage,
         tools=tools,
         n=int(number(body, "n", 1, MAX_N, integer=True) or 1),
+        logprobs=logprobs,
     )
 
 
@@ -248,6 +272,51 @@ def usage(n_in: int, n_out: int, n_cached: int = 0) -> JSON:
     }
 
 
+def choice_logprobs(req: GenRequest, content: list[JSON], offset: int = 0) -> JSON:
+    """A choice's logprobs in its API's shape: chat's `content` objects as they come from the
+    orchestrator; completions' parallel lists, `text_offset` counting from `offset` (the
+    characters of the choice's text before these tokens)."""
+    if req.kind == "chat":
+        return {"content": content, "refusal": None}
+    offsets = []
+    for t in content:
+        offsets.append(offset)
+        offset += len(t["token"])
+    return {
+        "tokens": [t["token"] for t in content],
+        "token_logprobs": [t["logprob"] for t in content],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in t["top_logprobs"]} for t in content],
+        "text_offset": offsets,
+    }
+
+
+def whole_choice(
+    req: GenRequest, text: str, finish: str, logprobs: list[JSON] | None = None, index: int = 0
+) -> JSON:
+    """One whole choice: its message (tool calls parsed out of it) or text, its logprobs
+    and its finish reason."""
+    reason = FINISH.get(finish, finish)
+    lp = choice_logprobs(req, logprobs or []) if req.logprobs else None
+    if req.kind != "chat":
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
+    message: JSON = {"role": "assistant", "content": text}
+    if req.tools is not None:
+        content, calls = parse_reply(text, req.tools)
+        if calls:
+            message = {"role": "assistant", "content": content}
+            message["tool_calls"] = [c.as_json() for c in calls]
+            reason = TOOL_CALLS if reason == "stop" else reason
+    return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
+
+
+def whole_body(req: GenRequest, rid: str, fingerprint: str, choices: list[JSON], use: JSON) -> JSON:
+    obj, prefix = (
+        ("chat.completion", "chatcmpl-") if req.kind == "chat" else ("text_completion", "cmpl-")
+    )
+    envelope = _envelope(req, rid, fingerprint, obj, prefix, choices[0])
+    return {**envelope, "choices": choices, "usage": use}
+
+
 def full_response(
     req: GenRequest,
     rid: str,
@@ -257,29 +326,10 @@ def full_response(
     n_out: int,
     fingerprint: str,
     n_cached: int = 0,
+    logprobs: list[JSON] | None = None,
 ) -> JSON:
-    choice: JSON
-    if req.kind == "chat":
-        message: JSON = {"role": "assistant", "content": text}
-        reason = FINISH.get(finish, finish)
-        if req.tools is not None:
-            content, calls = parse_reply(text, req.tools)
-            if calls:
-                message = {"role": "assistant", "content": content}
-                message["tool_calls"] = [c.as_json() for c in calls]
-                reason = TOOL_CALLS if reason == "stop" else reason
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        obj, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": FINISH.get(finish, finish),
-        }
-        obj, prefix = "text_completion", "cmpl-"
-    envelope = _envelope(req, rid, fingerprint, obj, prefix, choice)
-    return {**envelope, "usage": usage(n_in, n_out, n_cached)}
+    one = whole_choice(req, text, finish, logprobs)
+    return whole_body(req, rid, fingerprint, [one], usage(n_in, n_out, n_cached))
 
 
 def chunk(
@@ -290,7 +340,9 @@ def chunk(
     finish: str | None = None,
     role: bool = False,
     tool_calls: list[JSON] | None = None,
+    logprobs: JSON | None = None,
 ) -> JSON:
+    """One stream chunk of choice 0; `logprobs` in choice_logprobs' shape."""
     choice: JSON
     if req.kind == "chat":
         delta: JSON = {"role": "assistant", "content": ""} if role else {}
@@ -298,10 +350,10 @@ def chunk(
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj, prefix = "chat.completion.chunk", "chatcmpl-"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         obj, prefix = "text_completion", "cmpl-"
     if finish is not None:
         choice["finish_reason"] = FINISH.get(finish, finish) if finish != TOOL_CALLS else finish

@@ -25,11 +25,11 @@ from disagg.gateway import openai_api as oa
 from disagg.gateway.auth import KeyStore, RateLimiter
 from disagg.gateway.backend import Piece, TritonBackend
 from disagg.gateway.call import Call
+from disagg.gateway.choice_stream import ChoiceStream, collect
 from disagg.gateway.errors import APIError
 from disagg.gateway.http import StreamCounted, answers_errors, loggable, read_json, request_id
 from disagg.gateway.metrics import GatewayMetrics
 from disagg.gateway.registry import PublicModel, Registry
-from disagg.gateway.tools import ToolStream
 
 log = logging.getLogger("disagg.gateway")
 VERSION_HEADER = "x-disagg-model-version"
@@ -177,14 +177,7 @@ class OpenAIRoutes:
         pieces, req = call.pieces, call.req
         assert pieces is not None and req is not None, "set by _serve"
 
-        async def collect() -> tuple[str, Piece | None]:
-            text, last = "", None
-            async for piece in pieces:
-                text += piece.text
-                last = piece
-            return text, last
-
-        task = asyncio.ensure_future(collect())
+        task = asyncio.ensure_future(collect(pieces))
         try:
             while not task.done():
                 done, _ = await asyncio.wait({task}, timeout=0.5)
@@ -197,23 +190,16 @@ class OpenAIRoutes:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 await pieces.aclose()  # cancels the request in Triton
-        text, last = task.result()
+        whole = task.result()
+        last = whole.last
         if last is None or last.finish_reason is None:
             raise APIError(502, "the model ended without a finish reason", "server_error")
         self.limiter.charge(call.key, last.num_input_tokens + last.num_output_tokens)
         if last.finish_reason == C.FINISH_ERROR:
             raise _model_failed(last)
         headers = {**call.headers, ROUTE_TARGET_HEADER: last.extra.get(C.ROUTE_TARGET, "")}
-        body = oa.full_response(
-            req,
-            call.rid,
-            text,
-            last.finish_reason,
-            last.num_input_tokens,
-            last.num_output_tokens,
-            call.fingerprint,
-            last.num_cached_tokens,
-        )
+        use = oa.usage(last.num_input_tokens, last.num_output_tokens, last.num_cached_tokens)
+        body = oa.whole_body(req, call.rid, call.fingerprint, [whole.choice(req)], use)
         return JSONResponse(body, headers=headers)
 
     async def _serve_choices(self, call: Call, streams: list[choices.Pieces]) -> Response:
@@ -231,9 +217,10 @@ class OpenAIRoutes:
         results = await choices.collect_all(call, streams)
         if results is None:
             return Response(status_code=499)
-        charged = results[0][1].num_input_tokens + sum(p.num_output_tokens for _, p in results)
+        lasts = [w.last for w in results if w.last is not None]  # (all: collect_all checks)
+        charged = lasts[0].num_input_tokens + sum(p.num_output_tokens for p in lasts)
         self.limiter.charge(call.key, charged)
-        for _, last in results:
+        for last in lasts:
             if last.finish_reason == C.FINISH_ERROR:
                 raise _model_failed(last)
         return JSONResponse(choices.whole_response(call, results), headers=call.headers)
@@ -270,7 +257,7 @@ class OpenAIRoutes:
         req, rid, fp, pieces = call.req, call.rid, call.fingerprint, call.pieces
         assert req is not None and pieces is not None, "set by _serve"
         first_text = True
-        tools = ToolStream(req.tools) if req.tools is not None else None
+        choice = ChoiceStream(req, rid, fp)
         try:
             if req.kind == "chat":
                 yield oa.sse(oa.chunk(req, rid, fp, role=True))
@@ -283,22 +270,13 @@ class OpenAIRoutes:
                     self.metrics.error(err.type)
                     yield oa.sse(err.body())
                     return
-                text, calls = piece.text, None
-                if tools is not None:  # calls split out; a tag's beginning held back
-                    text, calls = tools.feed(piece.text)
-                    if piece.finish_reason is not None:
-                        text += tools.finish()
-                if text or calls:
-                    yield oa.sse(oa.chunk(req, rid, fp, text=text or None, tool_calls=calls))
+                for c in choice.chunks(piece):
+                    yield oa.sse(c)
                 if piece.text and first_text:
                     ttft = time.perf_counter() - call.start
                     self.metrics.ttft.labels(call.model).observe(ttft)
                     first_text = False
                 if piece.finish_reason is not None:
-                    finish = piece.finish_reason
-                    if tools is not None and tools.calls and finish == "stop":
-                        finish = oa.TOOL_CALLS
-                    yield oa.sse(oa.chunk(req, rid, fp, finish=finish))
                     if req.include_usage:
                         usage = oa.usage_chunk(
                             req, rid, fp, call.n_in, call.n_out, piece.num_cached_tokens

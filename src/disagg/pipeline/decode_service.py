@@ -19,6 +19,7 @@ from disagg.errors import EngineDeadError
 
 if TYPE_CHECKING:  # the engine brings torch; this loop needs only its interface
     from disagg.engine.llm_engine import DecodeEngine, PrefillResult, TokenOutput
+    from disagg.engine.sequence import TokenLogprob
 
 log = logging.getLogger("disagg.decode")
 
@@ -27,10 +28,15 @@ class Sink(Protocol):
     """Where one request's decode output goes (a Triton response sender, in production)."""
 
     def send(
-        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        num_cached_tokens: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         """`num_cached_tokens`: with the first token of a prompt decode prefilled, the
-        prompt tokens its prefix cache gave."""
+        prompt tokens its prefix cache gave. `logprobs`: one per token, when the request
+        asks for them."""
         ...
 
     def fail(self, error: Exception) -> None: ...
@@ -44,12 +50,21 @@ class _Stream:
 
     sink: Sink
     held: list[int] = field(default_factory=list)  # waiting for the next response (load)
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, if asked for
     started: bool = False  # its first token went out
     num_cached_tokens: int = 0  # goes out with the first token
 
-    def take(self, tokens: list[int]) -> list[int]:
-        """The held tokens and `tokens`, now to be sent; nothing is held after."""
-        out, self.held = self.held + tokens, []
+    def hold(self, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
+        self.held += tokens
+        self.held_logprobs += logprobs
+
+    def take(
+        self, tokens: list[int], logprobs: list[TokenLogprob]
+    ) -> tuple[list[int], list[TokenLogprob]]:
+        """The held tokens and `tokens` (and their logprobs), now to be sent; nothing is
+        held after."""
+        out = self.held + tokens, self.held_logprobs + logprobs
+        self.held, self.held_logprobs = [], []
         return out
 
 
@@ -186,11 +201,14 @@ class DecodeService:
 
     def _deliver(self, outputs: list[TokenOutput], num_running: int) -> None:
         tokens: dict[str, list[int]] = defaultdict(list)
+        logprobs: dict[str, list[TokenLogprob]] = defaultdict(list)
         finished: dict[str, str] = {}
         cached: dict[str, int] = {}
         for o in outputs:
             if o.token_id is not None:
                 tokens[o.request_id].append(o.token_id)
+                if o.logprob is not None:
+                    logprobs[o.request_id].append(o.logprob)
             if o.index == 0 and o.num_reused_tokens:
                 cached[o.request_id] = o.num_reused_tokens
             if o.finish_reason is not None:
@@ -209,16 +227,16 @@ class DecodeService:
                 and stream.started
                 and len(stream.held) + len(tokens.get(rid, ())) < interval
             ):
-                stream.held += tokens.get(rid, [])  # goes out with the next ones
+                stream.hold(tokens.get(rid, []), logprobs.get(rid, []))  # out with the next
                 continue
-            batch = stream.take(tokens.get(rid, []))
+            batch, lps = stream.take(tokens.get(rid, []), logprobs.get(rid, []))
             if rid in finished:
                 if self.cancels:
                     self.cancels.clear(rid)
             elif batch:
                 stream.started = True
             try:
-                stream.sink.send(batch, finished.get(rid), cached.get(rid, 0))
+                stream.sink.send(batch, finished.get(rid), cached.get(rid, 0), lps or None)
             except Exception:  # the client is gone: stop spending steps on it
                 log.info("request %s: sending failed; finishing it", rid)
                 self.engine.finish_request(rid, FinishReason.ABORT)

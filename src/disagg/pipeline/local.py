@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from disagg.contracts import DecodeStep, Handoff
-from disagg.engine.sequence import SamplingParams
+from disagg.engine.sequence import SamplingParams, TokenLogprob
 from disagg.errors import PoolError, RequestError
 
 if TYPE_CHECKING:  # the engines bring torch
@@ -71,6 +71,7 @@ class LocalPrefillPool:
             start_wall_s=start_wall,
             num_cached_tokens=result.num_reused_tokens,
             kv_start=result.kv.start,
+            first_logprob=result.first_logprob,
         )
 
 
@@ -82,9 +83,14 @@ class _QueueSink:
         self.cancelled = threading.Event()
 
     def send(
-        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        num_cached_tokens: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
-        self.steps.put(DecodeStep(list(token_ids), finish_reason, os.getpid(), num_cached_tokens))
+        step = DecodeStep(list(token_ids), finish_reason, os.getpid(), num_cached_tokens, logprobs)
+        self.steps.put(step)
 
     def fail(self, error: Exception) -> None:
         self.steps.put(error)

@@ -33,7 +33,7 @@ from disagg.contracts import (
 )
 from disagg.engine.config import EngineConfig, ModelArgs
 from disagg.engine.grammar import check_guide
-from disagg.engine.sequence import FinishReason, validate_request
+from disagg.engine.sequence import FinishReason, TokenLogprob, validate_request
 from disagg.engine.tokenizer import TextStream, Tokenizer
 from disagg.errors import KVPrefixMissError, PoolError
 from disagg.pipeline.conditional import CostModel, LoadTracker
@@ -41,7 +41,7 @@ from disagg.pipeline.handoff import kv_path, skip_tokens
 from disagg.pipeline.interfaces import DecodePool, OrchestratorEvents, PrefillPool
 from disagg.pipeline.prefix_locality import DECODE, PREFILL, PrefixLocality
 from disagg.pipeline.recovery import DecodeRecovery
-from disagg.pipeline.request import GenerateRequest, RequestRun
+from disagg.pipeline.request import GenerateRequest, RequestRun, logprob_object
 
 log = logging.getLogger("disagg.orchestrator")
 
@@ -104,7 +104,8 @@ class Orchestrator:
             return run.abandon()
         if run.handoff is not None:
             self._token_times(run)
-            self._add_tokens(run, [run.handoff.first_token])
+            first = run.handoff.first_logprob
+            self._add_tokens(run, [run.handoff.first_token], None if first is None else [first])
         self.load.add_decode(1)
         try:
             finish = self._decode_migrating(run)
@@ -254,7 +255,7 @@ class Orchestrator:
             if step.token_ids:
                 self._token_times(run, len(step.token_ids))
             if finish is None:  # after a stop string or a cancel, drain without adding text
-                self._add_tokens(run, step.token_ids)
+                self._add_tokens(run, step.token_ids, step.logprobs)
                 if run.text.stopped:
                     finish = FinishReason.STOP.value
                     self.decode_pool.cancel(current.request_id)
@@ -339,11 +340,16 @@ class Orchestrator:
         run.num_cached_tokens = handoff.num_cached_tokens
         return handoff
 
-    def _add_tokens(self, run: RequestRun, tokens: list[int]) -> None:
+    def _add_tokens(
+        self, run: RequestRun, tokens: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> None:
+        """The text of `tokens` (EOS aside) and, when asked for, their logprobs."""
         delta = ""
-        for t in tokens:
+        for i, t in enumerate(tokens):
             run.token_ids.append(t)
             if t not in self.eos or run.request.params.ignore_eos:
                 delta += run.text.push(t)
-        if run.request.stream and delta:
+                if run.logprobs is not None and logprobs and not run.text.stopped:
+                    run.logprobs.append(logprob_object(self.tokenizer, t, logprobs[i]))
+        if run.request.stream and (delta or run.has_unsent):
             run.emit(run.delta(delta))

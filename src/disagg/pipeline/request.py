@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg import contracts as C
-from disagg.codec.generate import EXCLUDE_INPUT_DEFAULT, GenerationFields
+from disagg.codec.fields import EXCLUDE_INPUT_DEFAULT, GenerationFields
 from disagg.contracts import Handoff, Reply
-from disagg.engine.sequence import FinishReason, SamplingParams
+from disagg.engine.sequence import FinishReason, SamplingParams, TokenLogprob
 from disagg.engine.tokenizer import TextStream, Tokenizer
 from disagg.errors import RequestError
 from disagg.pipeline.handoff import release
@@ -74,6 +74,7 @@ def build_request(
         guide_type=g.guide_type,
         guide=g.guide,
         min_tokens=g.min_length,
+        logprobs=g.logprobs,
     )
     return GenerateRequest(
         request_id=C.child_request_id(caller_id),
@@ -106,9 +107,15 @@ class RequestRun:
     kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
     last_token_s: float | None = None  # perf_counter() of the latest token; None before TTFT
     num_cached_tokens: int = 0  # prompt tokens a prefix cache gave (prefill's or decode's)
+    # when the request asks for logprobs: OpenAI's object for every token of the text so far,
+    # and how many of them streamed deltas have carried
+    logprobs: list[dict[str, Any]] | None = None
+    logprobs_sent: int = 0
 
     def __post_init__(self) -> None:
         self.current = self.request
+        if self.request.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def num_output_tokens(self) -> int:
@@ -119,8 +126,19 @@ class RequestRun:
         return len(self.request.prompt_ids)
 
     def delta(self, text: str) -> Reply:
-        """A streamed response carrying `text`."""
-        return Reply(text, self.num_input_tokens, self.num_output_tokens)
+        """A streamed response carrying `text` (and the logprobs not sent yet)."""
+        return Reply(text, self.num_input_tokens, self.num_output_tokens, logprobs=self._unsent())
+
+    def _unsent(self) -> list[dict[str, Any]] | None:
+        if self.logprobs is None:
+            return None
+        out = self.logprobs[self.logprobs_sent :]
+        self.logprobs_sent = len(self.logprobs)
+        return out
+
+    @property
+    def has_unsent(self) -> bool:
+        return self.logprobs is not None and self.logprobs_sent < len(self.logprobs)
 
     def abandon(self) -> Reply:
         """The client left before decode began: the hand-off is freed now (handoff.release)
@@ -135,6 +153,7 @@ class RequestRun:
         (the prompt before it unless exclude_input_in_output)."""
         req = self.request
         tail = self.text.flush()
+        logprobs = self._unsent() if req.stream else self.logprobs
         if req.stream:
             text = tail
         elif req.exclude_input_in_output:
@@ -153,4 +172,16 @@ class RequestRun:
             kv_bytes=self.kv_bytes,
             kv_handoff_s=self.kv_handoff_s,
             num_cached_tokens=self.num_cached_tokens,
+            logprobs=logprobs,
         )
+
+
+def logprob_object(tokenizer: Tokenizer, token_id: int, lp: TokenLogprob) -> dict[str, Any]:
+    """One output token's log-probabilities as OpenAI's chat completions give them."""
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        raw = tokenizer.token_bytes(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    top = [entry(t, v) for t, v in lp.top]
+    return {**entry(token_id, lp.logprob), "top_logprobs": top}

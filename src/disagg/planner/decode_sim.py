@@ -74,6 +74,7 @@ class SimTokenOutput:
     index: int
     finish_reason: FinishReason | None
     num_reused_tokens: int = 0
+    logprob: None = None  # (simulated time computes no distributions)
 
 
 class SimDecodeEngine:

@@ -31,7 +31,7 @@ from typing import Generic, TypeVar
 from disagg.bench.stats import Timeline
 from disagg.bench.workloads import RequestSpec
 from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, error_kind_of
-from disagg.engine.sequence import SamplingParams
+from disagg.engine.sequence import SamplingParams, TokenLogprob
 from disagg.errors import DisaggError
 from disagg.pipeline.conditional import CostModel, CostParams, LoadTracker
 from disagg.planner.clock import EventLoop, Node
@@ -99,7 +99,11 @@ class _Sink:
         self.sim, self.run, self.replica = sim, run, replica
 
     def send(
-        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        num_cached_tokens: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         if not token_ids and finish_reason is None:
             return  # decode's acknowledgement

@@ -7,7 +7,8 @@ import json
 from typing import Any, Protocol
 
 from disagg import contracts as C
-from disagg.codec.generate import GenerationFields, OrchestratorRequest
+from disagg.codec.fields import GenerationFields
+from disagg.codec.generate import OrchestratorRequest
 from disagg.contracts import new_request_id
 from disagg.errors import RequestError
 from disagg.routing.endpoint import ChatRequest
@@ -59,6 +60,8 @@ def local_only_fields(
     # an OpenAI endpoint takes JSON (response_format) but not a regex or a grammar
     if g.guide_type not in ("", "json", "json_schema"):
         why.append(C.GUIDED_DECODING_GUIDE_TYPE)
+    if g.return_log_probs:  # Groq's API returns no logprobs (and the ids would be its own)
+        why.append(C.RETURN_LOG_PROBS)
     return tuple(why)
 
 

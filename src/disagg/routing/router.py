@@ -20,7 +20,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from disagg.codec.generate import EXCLUDE_INPUT_DEFAULT
+from disagg.codec.fields import EXCLUDE_INPUT_DEFAULT
 from disagg.contracts import FINISH_ERROR, RoutedReply
 from disagg.engine.sequence import FinishReason
 from disagg.errors import PoolError

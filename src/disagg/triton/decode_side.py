@@ -14,7 +14,7 @@ from disagg import contracts as C
 from disagg import kvevents, kvnet
 from disagg.codec.pools import DecodeCall, DecodeStepResponse
 from disagg.codec.tensors import Array
-from disagg.engine.sequence import SamplingParams
+from disagg.engine.sequence import SamplingParams, TokenLogprob
 from disagg.errors import PoolError
 from disagg.kvnet import KVRef
 from disagg.pipeline.local import prefill_result
@@ -69,13 +69,17 @@ class SenderSink:
         self.num_sent = 0
 
     def send(
-        self, token_ids: list[int], finish_reason: str | None, num_cached_tokens: int = 0
+        self,
+        token_ids: list[int],
+        finish_reason: str | None,
+        num_cached_tokens: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
         if self.caller.gone():  # DecodeService then finishes the request
             raise PoolError(f"the caller (pid {self.caller.pid}) died")
         load = None if self.load is None else self.load()
         arrays = DecodeStepResponse.encode(
-            token_ids, finish_reason, self.pid, load, num_cached_tokens
+            token_ids, finish_reason, self.pid, load, num_cached_tokens, logprobs
         )
         response = pb_utils.InferenceResponse(output_tensors=tensors(arrays))
         self.sender.send(response, flags=FINAL if finish_reason is not None else 0)

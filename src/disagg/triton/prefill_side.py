@@ -48,6 +48,7 @@ def prefill_response(
     arrays = PrefillResponse.encode(
         result.first_token, result.seed, payload, pid, compute_us, start_ns,
         getattr(result, "num_reused_tokens", 0), kv_start,
+        getattr(result, "first_logprob", None),
     )  # fmt: skip
     return pb_utils.InferenceResponse(tensors(arrays))
 
