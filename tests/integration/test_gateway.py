@@ -250,7 +250,7 @@ def test_errors_in_openai_format(gateway, client):
     assert e.value.body["code"] == "model_not_found"
     for kwargs, param in [
         ({"n": 17}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logit_bias": {"1": 500}}, "logit_bias"),  # out of [-100, 100]
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
         ({"temperature": 5}, "temperature"),
@@ -488,7 +488,9 @@ def test_gateway_metrics_count_requests_ttft_and_errors(gateway, client):
     assert full.usage.completion_tokens == 12  # ignore_eos: exactly max_tokens
     list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, stream=True))
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True)
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="Hi", echo=True)  # unsupported
     assert scrape(url, "disagg_gateway_requests_total", **ok) == before["ok"] + 2
     assert scrape(url, "disagg_gateway_ttft_seconds_count", model=MODEL) == before["ttft"] + 1
     assert scrape(url, "disagg_gateway_e2e_seconds_count", api="chat", model=MODEL) == (

@@ -265,7 +265,8 @@ def test_logprobs_through_every_door(client, server):
     lp = completion.choices[0].logprobs
     assert "".join(lp.tokens) == completion.choices[0].text
     assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs)
-    assert all(len(alts) <= 2 and tok in alts for tok, alts in zip(lp.tokens, lp.top_logprobs))
+    pairs = zip(lp.tokens, lp.top_logprobs, strict=True)
+    assert all(len(alts) <= 2 and tok in alts for tok, alts in pairs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
     two = chat(client, logprobs=True, max_tokens=8, n=2, temperature=1.0, seed=3)

@@ -5,9 +5,7 @@ co-located run, and a neighbour asking for logprobs changes no other row's token
 import math
 
 import pytest
-import torch
 
-from disagg.engine.sampling import token_logprobs
 from disagg.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -74,14 +72,3 @@ def test_a_neighbour_asking_for_logprobs_leaves_a_greedy_row_unchanged(llm, engi
     assert [t for t, _ in both["b"]] == [t for t, _ in alone]
     assert all(lp is None for _, lp in both["b"])  # not asked: nothing computed
     assert all(lp is not None and len(lp.top) == 20 for _, lp in both["n"])
-
-
-def test_logprobs_are_the_raw_distribution_not_the_sampler_adjusted_one():
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
-    params = [SamplingParams(logprobs=2, temperature=0.5, presence_penalty=2.0), SamplingParams()]
-    out = token_logprobs(logits, [1, 3], params)
-    expected = torch.log_softmax(logits[0], -1)
-    assert out[1] is None
-    assert out[0].logprob == pytest.approx(float(expected[1]))
-    assert [t for t, _ in out[0].top] == [0, 1]
-    assert out[0].top[0][1] == pytest.approx(float(expected[0]))

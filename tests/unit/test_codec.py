@@ -288,3 +288,26 @@ def test_a_failure_sent_as_outputs_is_raised_with_its_kind(exc, raised):
     with pytest.raises(raised, match=str(exc)):
         raise_for_failure(arrays, "decode")
     raise_for_failure({C.ERROR_KIND: np.array([b""], np.object_)}, "decode")  # no failure
+
+
+def test_logprobs_travel_with_their_tokens_through_every_message():
+    from disagg.engine.sequence import TokenLogprob
+
+    lps = [TokenLogprob(-0.5, ((7, -0.5), (9, -1.25))), TokenLogprob(-2.0, ())]
+    step = DecodeStepResponse.decode(DecodeStepResponse.encode([7, 3], None, 11, logprobs=lps))
+    assert step.logprobs == lps and step.token_ids == [7, 3]
+    assert DecodeStepResponse.decode(DecodeStepResponse.encode([7], None, 11)).logprobs is None
+    arrays = PrefillResponse.encode(7, 1, np.zeros(4, np.uint8), 2, 3, 4, first_logprob=lps[0])
+    assert PrefillResponse.decode(arrays).first_logprob == lps[0]
+    bad = DecodeStepResponse.encode([7, 3], None, 11, logprobs=lps[:1])  # one for two tokens
+    with pytest.raises(RequestError, match="token_logprobs"):
+        DecodeStepResponse.decode(bad)
+    content = [{"token": "Par", "logprob": -0.5, "bytes": [80, 97, 114], "top_logprobs": []}]
+    reply = OrchestratorReply.encode(Reply("Par", 5, 1, logprobs=content), batched=True)
+    assert reply[C.OUTPUT_LOG_PROBS].shape == (1, 1, 1)  # TensorRT-LLM's [batch, beam, token]
+    routed = OrchestratorReply.decode(reply)
+    assert routed is not None and routed.logprobs == content
+    out = RouterReply.decode(RouterReply.encode(routed, batched=True))
+    assert out.logprobs == content
+    plain = OrchestratorReply.encode(Reply("Par", 5, 1), batched=True)
+    assert plain[C.OUTPUT_LOG_PROBS].size == 0 and C.OUTPUT_LOGPROBS_CONTENT not in plain

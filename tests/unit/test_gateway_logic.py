@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from disagg import contracts as C
 from disagg.codec.fields import GenerationFields
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KeyStore, RateLimiter, key_hash, new_key, write_keys_file
@@ -219,3 +220,24 @@ def test_keys_from_a_secret_file_join_the_environments(tmp_path):
         assert store.key_id(f"Bearer {key}") is not None
     with pytest.raises(ConfigError, match="DISAGG_API_KEYS_FILE"):
         _env_keys({"DISAGG_API_KEYS_FILE": str(tmp_path / "missing")})
+
+
+def test_logprobs_fields_become_tensorrt_llm_inputs_and_openai_shapes():
+    from disagg.gateway.openai_api import choice_logprobs
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    chat = parse_request({**body, "logprobs": True, "top_logprobs": 3}, "chat")
+    assert chat.logprobs and chat.inputs[C.RETURN_LOG_PROBS] is True
+    assert chat.inputs[C.TOP_LOGPROBS] == 3
+    assert C.RETURN_LOG_PROBS not in parse_request(body, "chat").inputs
+    comp = parse_request({"model": "m", "prompt": "hi", "logprobs": 0}, "completion")
+    assert comp.logprobs and C.TOP_LOGPROBS not in comp.inputs  # the token's own only
+    content = [
+        {"token": "Hel", "logprob": -0.1, "bytes": [], "top_logprobs": [
+            {"token": "Hel", "logprob": -0.1, "bytes": []}]},
+        {"token": "lo", "logprob": -0.2, "bytes": [], "top_logprobs": []},
+    ]  # fmt: skip
+    shaped = choice_logprobs(comp, content, offset=4)
+    assert shaped["tokens"] == ["Hel", "lo"] and shaped["text_offset"] == [4, 7]
+    assert shaped["top_logprobs"] == [{"Hel": -0.1}, {}]
+    assert choice_logprobs(chat, content) == {"content": content, "refusal": None}

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from disagg.engine.sampling import adjust_logits, sample_batch, sample_one
+from disagg.engine.sampling import adjust_logits, sample_batch, sample_one, token_logprobs
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import RequestError
 
@@ -189,3 +189,21 @@ def test_a_penalised_neighbour_never_changes_a_greedy_row():
 def test_bad_penalty_values_are_refused_clearly(kw, message):
     with pytest.raises(RequestError, match=message):
         SamplingParams(**kw).validate(vocab_size=100, max_tokens_limit=2048)
+
+
+def test_logprobs_are_the_raw_distribution_not_the_sampler_adjusted_one():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    params = [SamplingParams(logprobs=2, temperature=0.5, presence_penalty=2.0), SamplingParams()]
+    out = token_logprobs(logits, [1, 3], params)
+    expected = torch.log_softmax(logits[0], -1)
+    assert out[1] is None
+    assert out[0].logprob == pytest.approx(float(expected[1]))
+    assert [t for t, _ in out[0].top] == [0, 1]
+    assert out[0].top[0][1] == pytest.approx(float(expected[0]))
+
+
+def test_logprobs_limits_are_checked():
+    for bad in (-1, 21, True, 1.5):
+        with pytest.raises(RequestError, match="top_logprobs"):
+            SamplingParams(logprobs=bad).validate(50, 100)
+    SamplingParams(logprobs=20).validate(50, 100)

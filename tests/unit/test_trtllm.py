@@ -374,3 +374,31 @@ def test_the_cache_salt_goes_down_only_where_the_library_takes_one(trt):
     gen.add_request("r2", params, prefill=PrefillResult("r2", 3, wire, wire.seed, 0))
     drain(gen, "r2")
     assert gen.llm.salts == ["key-a"]
+
+
+def test_logprobs_go_down_as_top_logprobs_and_come_back_aligned_with_their_tokens(trt):
+    """SamplingParams.logprobs asks 1.0 for top logprobs (at least 1: the token's own); its
+    {token: Logprob(logprob, rank)} per token become TokenLogprobs. A generation_only
+    output lacks the first token's (1.0): prefill's context request supplies it, and decode's
+    tokens keep theirs (aligned from the end, not shifted by one)."""
+    prefill, decode, prefill_llm, decode_llm = engines(trt)
+    params = SamplingParams(max_tokens=5, logprobs=3, seed=1)
+    result, handoff = prefill.prefill("r", [5, 6, 7], params)
+    assert prefill_llm.calls[-1][2].logprobs == 3
+    first = result.first_logprob
+    assert first is not None and first.top[0][0] == result.first_token and len(first.top) == 3
+    decode.add_request("r", params, prefill=PrefillResult("r", result.first_token, handoff, 1, 0))
+    outputs = []
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not any(o.finish_reason for o in outputs):
+        outputs += decode.step()
+    tokens = [o for o in outputs if o.token_id is not None]
+    assert len(tokens) == 4
+    for o in tokens:
+        assert o.logprob is not None and o.logprob.top[0] == (o.token_id, o.logprob.logprob)
+        assert [v for _, v in o.logprob.top] == sorted((v for _, v in o.logprob.top), reverse=True)
+    own = SamplingParams(max_tokens=2, logprobs=0)
+    prefill.prefill("z", [1, 2], own)
+    assert prefill_llm.calls[-1][2].logprobs == 1  # the token's own, without alternatives
+    plain, _ = prefill.prefill("p", [1, 2], SamplingParams(max_tokens=2))
+    assert prefill_llm.calls[-1][2].logprobs is None and plain.first_logprob is None

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from disagg.contracts import DecodeStats
 from disagg.engine.llm_engine import PrefillResult, TokenOutput, resolve_seed
-from disagg.engine.sequence import FinishReason, SamplingParams
+from disagg.engine.sequence import FinishReason, SamplingParams, TokenLogprob
 from disagg.errors import CapacityError, RequestCancelledError, RequestError
 from disagg.trtllm.kv_events import KvCacheEvent, RequestFeatures, read_events
 from disagg.trtllm.payload import TrtllmHandoff, params_to_dict
@@ -141,9 +141,26 @@ def trt_sampling(
                 "(its bad_token_ids bans single tokens)"
             )
         kwargs["bad_token_ids"] = [words[0] for words in params.bad_words_ids]
+    if params.logprobs is not None:  # (0 would ask for none: the token's own is top 1)
+        kwargs["logprobs"] = max(params.logprobs, 1)
     if perf_metrics:  # where the installed SamplingParams has it: KV reuse per request
         kwargs["return_perf_metrics"] = True
     return api.SamplingParams(**kwargs)
+
+
+def trt_logprob(entry: Any, token: int, k: int) -> TokenLogprob | None:
+    """One token's entry of TensorRT-LLM 1.0's CompletionOutput.logprobs (executor/result.py:
+    {token id: Logprob(logprob, rank)}, the top ones and the sampled token; or a bare float)
+    as ours: the sampled token's logprob and the `k` best. What 1.0 computes differs by
+    backend: the TRT backend's top-k from the raw logits (as ours); the PyTorch backend's
+    sampled token alone, from the processed distribution."""
+    if isinstance(entry, int | float):
+        return TokenLogprob(float(entry))
+    if not isinstance(entry, dict) or token not in entry:
+        return None
+    ranked = sorted(entry.items(), key=lambda kv: (kv[1].rank or 1 << 30, -kv[1].logprob))
+    top = [(int(t), float(lp.logprob)) for t, lp in ranked if lp.rank is None or lp.rank <= k]
+    return TokenLogprob(float(entry[token].logprob), tuple(top[:k]))
 
 
 class TrtllmPrefillEngine:
@@ -199,8 +216,16 @@ class TrtllmPrefillEngine:
             seed,
             time.perf_counter() - start,
             num_reused_tokens=self.features.reused_tokens(out, len(prompt_ids)),
+            first_logprob=self._first_logprob(completion, params),
         )
         return result, handoff
+
+    @staticmethod
+    def _first_logprob(completion: Any, params: SamplingParams) -> TokenLogprob | None:
+        logprobs = getattr(completion, "logprobs", None)
+        if params.logprobs is None or not logprobs:
+            return None
+        return trt_logprob(logprobs[0], int(completion.token_ids[0]), params.logprobs)
 
     def _context(
         self,
@@ -311,12 +336,14 @@ class TrtllmDecodeEngine:
         skip = 1 if prefill is not None else 0
         threading.Thread(
             target=self._pump,
-            args=(request_id, result, skip, prompt_len),
+            args=(request_id, result, skip, prompt_len, params.logprobs),
             name=f"trtllm-{request_id[:8]}",
             daemon=True,
         ).start()
 
-    def _pump(self, request_id: str, result: RequestOutput, skip: int, prompt_len: int) -> None:
+    def _pump(
+        self, request_id: str, result: RequestOutput, skip: int, prompt_len: int, k: int | None
+    ) -> None:
         """Cumulative streaming outputs -> one TokenOutput per new token (output index i, the
         first `skip` left out; token 0 says how much of the prompt was cached), then the
         finish."""
@@ -326,9 +353,16 @@ class TrtllmDecodeEngine:
             for out in result:
                 completion = out.outputs[0]
                 tokens = completion.token_ids
+                logprobs = getattr(completion, "logprobs", None) or []
+                # aligned from the end: 1.0's generation_only list lacks the first token's
+                offset = len(tokens) - len(logprobs)
                 for i in range(max(seen, skip), len(tokens)):
                     reused = self.features.reused_tokens(out, prompt_len) if i == 0 else 0
-                    self._events.put(TokenOutput(request_id, int(tokens[i]), i, None, reused))
+                    lp = None
+                    if k is not None and i >= offset:
+                        lp = trt_logprob(logprobs[i - offset], int(tokens[i]), k)
+                    event = TokenOutput(request_id, int(tokens[i]), i, None, reused, lp)
+                    self._events.put(event)
                 seen = len(tokens)
                 if completion.finish_reason:
                     reason = FINISH.get(completion.finish_reason, FinishReason.STOP)

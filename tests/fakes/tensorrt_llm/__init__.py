@@ -66,6 +66,7 @@ class SamplingParams:
     detokenize: bool = True
     return_perf_metrics: bool = False  # "keep in sync with tllme.OutputConfig" upstream
     guided_decoding: GuidedDecodingParams | None = None
+    logprobs: int | None = None  # top logprobs per output token (1.0's sampling_params.py)
 
     @property
     def _greedy_decoding(self) -> bool:  # upstream 1.0's rule: temperature does not count
@@ -78,6 +79,36 @@ class CompletionOutput:
     finish_reason: str | None = None
     disaggregated_params: DisaggregatedParams | None = None
     request_perf_metrics: object | None = None  # with SamplingParams.return_perf_metrics
+    # with SamplingParams.logprobs: one {token id: Logprob} per output token (1.0's
+    # executor/result.py TokenLogprobs), the top ones and the sampled token
+    logprobs: list[dict[int, Logprob]] | None = None
+
+
+@dataclass
+class Logprob:
+    """1.0's executor/result.py Logprob."""
+
+    logprob: float
+    rank: int | None = None
+
+
+def token_logprobs(token: int, k: int) -> dict[int, Logprob]:
+    """The fake's distribution at a token: the sampled token first (rank 1), then k - 1
+    others. The real TRT backend adds the sampled token when it is not in the top k."""
+    out = {token: Logprob(-0.25, 1)}
+    for r in range(2, k + 1):
+        out[(token + r * 11) % VOCAB] = Logprob(-0.25 - r, r)
+    return out
+
+
+def with_logprobs(out: CompletionOutput, sp: SamplingParams, generation_only: bool = False):
+    """What 1.0 returns with logprobs asked for: a generation_only request's list lacks the
+    context's first token (its logprob stayed on the context server until TensorRT-LLM
+    PR #11727, after 1.0)."""
+    if sp.logprobs:
+        tokens = out.token_ids[1:] if generation_only else out.token_ids
+        out.logprobs = [token_logprobs(t, sp.logprobs) for t in tokens]
+    return out
 
 
 @dataclass
@@ -101,8 +132,11 @@ def perf_metrics(num_reused_blocks: int) -> SimpleNamespace:
 
 
 class GenerationResult:
-    def __init__(self, tokens: list[int], sp: SamplingParams, reused_blocks: int) -> None:
+    def __init__(
+        self, tokens: list[int], sp: SamplingParams, reused_blocks: int, generation_only=False
+    ) -> None:
         self.tokens, self.max_tokens = tokens, sp.max_tokens
+        self.sp, self.generation_only = sp, generation_only
         self.stop = set(sp.stop_token_ids or ())
         self.metrics = perf_metrics(reused_blocks) if sp.return_perf_metrics else None
         self.aborted = threading.Event()
@@ -111,7 +145,8 @@ class GenerationResult:
         self.aborted.set()
 
     def _out(self, tokens: list[int], reason: str | None) -> RequestOutput:
-        return RequestOutput([CompletionOutput(list(tokens), reason, None, self.metrics)])
+        out = CompletionOutput(list(tokens), reason, None, self.metrics)
+        return RequestOutput([with_logprobs(out, self.sp, self.generation_only)])
 
     def __iter__(self):
         out: list[int] = []
@@ -319,7 +354,9 @@ class LLM:
         )
         tokens = tokens[:1]
         metrics = perf_metrics(reused) if sp.return_perf_metrics else None
-        return RequestOutput([CompletionOutput(tokens, "length", params, metrics)])
+        return RequestOutput(
+            [with_logprobs(CompletionOutput(tokens, "length", params, metrics), sp)]
+        )
 
     def generate_async(
         self, inputs, sampling_params=None, streaming=False, disaggregated_params=None
@@ -346,4 +383,4 @@ class LLM:
             del self.contexts[disaggregated_params.ctx_request_id]  # transferred: freed there
         reused = self._store_prompt(list(inputs)) if disaggregated_params is None else 0
         tokens = self._tokens(list(inputs), sp.max_tokens)
-        return GenerationResult(tokens, sp, reused)
+        return GenerationResult(tokens, sp, reused, disaggregated_params is not None)
