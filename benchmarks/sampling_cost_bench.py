@@ -7,7 +7,9 @@ falls on all alike; the best round counts.
 
     python benchmarks/sampling_cost_bench.py [--rounds 3] [--steps 24]
 
-Prints a table of ms/step and the cost against plain; writes results/sampling_cost.json and
+Prints a table of ms/step (best round) and the cost against plain, and the logprobs
+computation timed alone (the engine rows move by several percent between rounds on a shared
+2-core machine; the alone figure does not); writes results/sampling_cost.json and
 results/sampling_cost.png. Targets (the issue): a JSON guide <= 10% of the step at batch 16,
 logprobs <= 5%.
 """
@@ -57,6 +59,25 @@ def step_ms(llm: Any, ids: list[int], batch: int, steps: int, extra: dict[str, A
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def logprobs_call_ms(batches: list[int], vocab: int, calls: int = 200) -> dict[str, float]:
+    """The logprobs computation alone (sampling.token_logprobs on random logits of this
+    vocabulary), per step: what the engine rows above include, without their noise."""
+    from disagg.engine.sampling import token_logprobs
+    from disagg.engine.sequence import SamplingParams
+
+    out = {}
+    for batch in batches:
+        logits = torch.randn(batch, vocab) * 3
+        tokens = logits.argmax(-1).tolist()
+        for k in (0, 20):
+            params = [SamplingParams(logprobs=k)] * batch
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                token_logprobs(logits, tokens, params)
+            out[f"batch {batch}, top {k}"] = round((time.perf_counter() - t0) / calls * 1e3, 3)
+    return out
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -91,12 +112,14 @@ def main() -> None:
         [{"role": "user", "content": "Describe a person as JSON."}]
     ))  # fmt: skip
     best: dict[str, dict[str, float]] = {str(b): {} for b in args.batches}
+    runs: dict[str, dict[str, list[float]]] = {str(b): {} for b in args.batches}
     for r in range(args.rounds):
         for batch in args.batches:
             for name, extra in VARIANTS.items():
                 ms = step_ms(llm, ids, batch, args.steps, extra)
                 row = best[str(batch)]
                 row[name] = round(min(row.get(name, ms), ms), 2)
+                runs[str(batch)].setdefault(name, []).append(round(ms, 2))
                 print(f"round {r + 1}/{args.rounds} batch {batch:>2} {name:<16} {ms:7.1f} ms")
     print(f"\n{'variant':<18}" + "".join(f"{'batch ' + str(b):>22}" for b in args.batches))
     for name in VARIANTS:
@@ -105,13 +128,18 @@ def main() -> None:
             row = best[str(b)]
             cells.append(f"{row[name]:>9.1f} ms ({(row[name] / row['plain'] - 1) * 100:+5.1f}%)")
         print(f"{name:<18}" + "".join(f"{c:>22}" for c in cells))
+    alone = logprobs_call_ms(args.batches, llm.model.args.vocab_size)
+    for name, ms in alone.items():
+        print(f"token_logprobs alone, {name}: {ms:.3f} ms/step")
     result = {
+        "token_logprobs_ms": alone,
         "command": "python benchmarks/sampling_cost_bench.py "
         f"--rounds {args.rounds} --steps {args.steps}",
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": 2},
         "weights": llm.model.weights if hasattr(llm.model, "weights") else "",
         "batches": args.batches,
         "ms": best,
+        "ms_every_round": runs,
         "cost_pct": {
             str(b): {n: round((v / best[str(b)]["plain"] - 1) * 100, 1) for n, v in row.items()}
             for b, row in ((b, best[str(b)]) for b in args.batches)
