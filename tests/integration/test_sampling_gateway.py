@@ -138,6 +138,27 @@ def test_structured_outputs_through_every_door(client, server):
         assert json.loads(r.read())["text_output"] in ("Yes!", "No!")
 
 
+def test_parse_returns_a_valid_object_for_twenty_schemas(client):
+    """chat.completions.parse() with 20 pydantic models (nested objects, enums, arrays,
+    optional fields): every reply parses and validates, none is cut by max_tokens."""
+    from helpers.schemas import MODELS
+
+    failed = []
+    for model, ask in MODELS:
+        try:
+            reply = client.chat.completions.parse(
+                model=MODEL, messages=[{"role": "user", "content": ask + " Answer as JSON."}],
+                response_format=model, max_tokens=400,
+            )  # fmt: skip
+        except openai.LengthFinishReasonError as e:  # cut: what it said, for the message
+            failed.append((model.__name__, e.completion.choices[0].message.content))
+            continue
+        choice = reply.choices[0]
+        if choice.finish_reason != "stop" or type(choice.message.parsed) is not model:
+            failed.append((model.__name__, choice.message.content))
+    assert not failed, failed
+
+
 def test_guides_that_do_not_compile_get_400_naming_the_reason(client):
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/x"}}}
     with pytest.raises(openai.BadRequestError, match="does not compile"):
