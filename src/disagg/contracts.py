@@ -76,6 +76,10 @@ MODEL = "model"  # public model name (the OpenAI `model`); routing rules may mat
 LATENCY_SLA_MS = "latency_sla_ms"  # FP32: the client's latency target
 TASK_TYPE = "task_type"  # e.g. "interactive", "batch_offline"
 PRIORITY = "priority"  # INT32: larger is more urgent
+# BYTES: JSON {"messages", "tools", "tool_choice", "parallel_tool_calls"}, the client's own
+# (the gateway sets it with tools): what an OpenAI endpoint gets to serve the tools natively,
+# while the local pipeline takes MESSAGES, the tools rendered into the chat template's text
+OPENAI_TOOLS = "openai_tools"
 
 TEXT_OUTPUT = "text_output"
 NUM_INPUT_TOKENS = "num_input_tokens"
@@ -121,6 +125,9 @@ SERVED_BY = "served_by"  # BYTES [1]: "disaggregated" | "colocated" | "fallback"
 ROUTE_TARGET = "route_target"  # BYTES [1]: the policy target that served the request
 ROUTE_REASON = "route_reason"  # BYTES [1]: rule name, "default", or why it fell back
 ERROR = "error"  # BYTES [1]: with finish_reason "error": what failed after text was sent
+# BYTES [1]: JSON list of OpenAI tool-call deltas ({index, id, type, function: {name,
+# arguments}}) an endpoint answered with, relayed as they came (a whole reply: one per call)
+OUTPUT_TOOL_CALLS = "output_tool_calls"
 
 # ------------------------------------------------------------------ failures inside a BLS stream
 # Triton 2.51 drops an error response that a decoupled model sends after its first response
@@ -358,3 +365,4 @@ class RoutedReply:
     error: str = ""  # final, with finish_reason FINISH_ERROR: what failed
     num_cached_tokens: int = 0  # final: prompt tokens a prefix cache gave
     logprobs: list[dict[str, Any]] | None = None  # as Reply's
+    tool_calls: list[dict[str, Any]] | None = None  # OUTPUT_TOOL_CALLS: an endpoint's calls

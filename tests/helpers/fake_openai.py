@@ -10,6 +10,10 @@ scripted behaviour (then "ok"):
     "cut"           stream two chunks, then drop the connection (no finish, no [DONE])
     "malformed"     one chunk, then a `data:` line that is not JSON
     "echo_key_401"  a 401 whose body repeats the Authorization header (redaction test)
+
+A request with `tools` (and tool_choice other than "none") is answered as OpenAI streams a
+call: the named function, or the first, with TOOL_ARGS as its arguments in three deltas,
+and finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 CANNED = "The quick brown fox jumps over the lazy dog and keeps on running far away"
+TOOL_ARGS = '{"city": "Paris", "unit": "celsius"}'
 
 
 def canned(body: dict) -> Iterator[str]:
@@ -134,6 +139,8 @@ class FakeOpenAI:
                         ],
                     }
                 )  # noqa: E501
+                if body.get("tools") and body.get("tool_choice") != "none":
+                    return self._tool_call(body)
                 pieces = list(fake.generate(body))
                 for i, piece in enumerate(pieces):
                     if behaviour == "cut" and i == 2:
@@ -147,10 +154,33 @@ class FakeOpenAI:
                 finish = "length" if len(pieces) >= int(body.get("max_tokens", 16)) else "stop"
                 self._event(self._chunk(None, finish))
                 usage = {
-                    "prompt_tokens": sum(len(m["content"].split()) for m in body["messages"]),
+                    "prompt_tokens": sum(
+                        len((m.get("content") or "").split()) for m in body["messages"]
+                    ),  # fmt: skip
                     "completion_tokens": len(pieces),
                     "total_tokens": 0,
                 }
+                self._event({**self._chunk(None), "choices": [], "usage": usage})
+                self._event("[DONE]")
+
+            def _tool_call(self, body: dict) -> None:
+                choice = body.get("tool_choice")
+                named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+                name = named or body["tools"][0]["function"]["name"]
+                cut = [0, 10, 25, len(TOOL_ARGS)]
+                for i in range(3):
+                    fn = {"arguments": TOOL_ARGS[cut[i] : cut[i + 1]]}
+                    delta: dict = {"index": 0, "function": fn}
+                    if i == 0:  # the first delta names the call
+                        delta.update(
+                            id="call_fake0", type="function", function={"name": name, **fn}
+                        )
+                    chunk = self._chunk(None)
+                    chunk["choices"][0]["delta"] = {"tool_calls": [delta]}
+                    self._event(chunk)
+                    time.sleep(0.005)
+                self._event(self._chunk(None, "tool_calls"))
+                usage = {"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22}
                 self._event({**self._chunk(None), "choices": [], "usage": usage})
                 self._event("[DONE]")
 

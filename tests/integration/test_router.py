@@ -5,17 +5,22 @@ one streaming real SmolLM2 text from the engine in this process."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import openai
 import pytest
-from helpers.fake_openai import CANNED, FakeOpenAI
+from helpers.fake_openai import CANNED, TOOL_ARGS, FakeOpenAI
 from helpers.triton_server import metric, metric_becomes, start_server
 
 from disagg import contracts as C
 from disagg.client import GenerateError, GrpcClient, HttpClient
 from disagg.engine.sequence import SamplingParams
+from disagg.serve.gateway_process import GatewayProcess
+from disagg.serve.server import free_ports
 
 pytestmark = pytest.mark.integration
 KEY_ENV = "DISAGG_TEST_LPU_KEY"
@@ -360,3 +365,63 @@ def _wait_for(check, timeout_s: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.3)
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+
+
+def test_tools_reach_the_endpoint_natively_and_its_calls_come_back_as_tool_calls(server, fakes):
+    """Through the gateway (openai client): an endpoint gets the client's tools, tool_choice
+    and messages as sent (not the Hermes text the local model gets), and its streamed call
+    deltas come back in OpenAI's shape, whole and streamed; a required call goes there too
+    (the endpoint's tool_choice does what the local grammar does), history included."""
+    (port,) = free_ports(1)
+    gateway = GatewayProcess(
+        replace(server.settings, gateway_port=port), env={"DISAGG_API_KEYS": "sk-tools"}
+    ).start()
+    try:
+        gateway.wait_ready()
+        client = openai.OpenAI(base_url=gateway.url + "/v1", api_key="sk-tools", max_retries=0)
+        ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+        kw = {"model": "smollm2-135m-instruct", "tools": [WEATHER_TOOL], "max_tokens": 32,
+              "extra_body": {"latency_sla_ms": 100.0}}  # fmt: skip
+        whole = client.chat.completions.create(messages=ask, **kw)
+        sent = fakes["faulty"].requests[-1]
+        assert sent["tools"] == [WEATHER_TOOL] and sent["messages"] == ask
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        call = choice.message.tool_calls[0]
+        assert (call.id, call.function.name) == ("call_fake0", "get_weather")
+        assert call.function.arguments == TOOL_ARGS
+        stream = client.chat.completions.create(messages=ask, stream=True, **kw)
+        chunks = [c for c in stream if c.choices]
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        assert len(deltas) == 3 and deltas[0].id == "call_fake0"  # relayed as they came
+        assert "".join(d.function.arguments for d in deltas) == TOOL_ARGS
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        history = [
+            *ask,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call.id, "type": "function",
+                 "function": {"name": "get_weather", "arguments": TOOL_ARGS}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
+        ]  # fmt: skip
+        before = fakes["faulty"].num_requests
+        again = client.chat.completions.create(messages=history, tool_choice="required", **kw)
+        assert fakes["faulty"].num_requests == before + 1
+        sent = fakes["faulty"].requests[-1]
+        assert sent["messages"] == history and sent["tool_choice"] == "required"
+        assert json.loads(again.choices[0].message.tool_calls[0].function.arguments)["city"]
+    finally:
+        gateway.stop()

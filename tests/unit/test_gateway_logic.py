@@ -241,3 +241,11 @@ def test_logprobs_fields_become_tensorrt_llm_inputs_and_openai_shapes():
     assert shaped["tokens"] == ["Hel", "lo"] and shaped["text_offset"] == [4, 7]
     assert shaped["top_logprobs"] == [{"Hel": -0.1}, {}]
     assert choice_logprobs(chat, content) == {"content": content, "refusal": None}
+
+
+def test_more_choices_than_decode_runs_at_once_are_refused_by_name():
+    body = {"model": "m", "messages": MSG, "n": 5}
+    assert parse_request(body, "chat", max_n=5).n == 5
+    with pytest.raises(APIError) as e:
+        parse_request(body, "chat", max_n=4)
+    assert e.value.status == 400 and e.value.param == "n" and "4 sequences" in e.value.message

@@ -163,3 +163,35 @@ def test_a_client_cancel_reaches_the_local_pipeline(setup):
     final, deltas = serve(router, request(sla=None), is_cancelled=lambda: True)
     assert local.cancelled == ["r1"] and deltas == ["local "]  # nothing emitted after it
     assert isinstance(final, RoutedReply)
+
+
+def test_endpoint_tool_call_deltas_are_read_checked_and_merged_into_calls():
+    import json
+
+    from disagg.routing.endpoint import EndpointError, OpenAIEndpoint
+    from disagg.routing.router import merge_tool_calls
+
+    def chunk(delta):
+        return json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+
+    first = {"index": 0, "id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city"'}}  # fmt: skip
+    ev = OpenAIEndpoint._parse_chunk(chunk({"tool_calls": [first]}))
+    assert ev.tool_calls == [first] and ev.text == ""
+    rest = {"index": 0, "id": None, "function": {"name": None, "arguments": ': "Paris"}'}}
+    calls: dict = {}
+    merge_tool_calls(calls, [first])
+    merge_tool_calls(calls, OpenAIEndpoint._parse_chunk(chunk({"tool_calls": [rest]})).tool_calls)
+    assert calls[0]["id"] == "call_1" and calls[0]["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}  # fmt: skip
+    for bad in ([{"id": "x"}], [{"index": 0, "function": {"arguments": 5}}], {"index": 0}):
+        with pytest.raises(EndpointError, match="malformed"):
+            OpenAIEndpoint._parse_chunk(chunk({"tool_calls": bad}))
+
+
+def test_a_chat_request_with_tools_sends_them_as_the_client_did():
+    tools = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+             "parallel_tool_calls": None}  # fmt: skip
+    body = ChatRequest([{"role": "user", "content": "hi"}], 8, tools=tools).body("m")
+    assert body["tools"] == tools["tools"] and body["tool_choice"] == "auto"
+    assert "parallel_tool_calls" not in body  # not sent: not set

@@ -11,7 +11,8 @@ import pytest
 from disagg import contracts as C
 from disagg.gateway.errors import APIError
 from disagg.gateway.openai_api import full_response, parse_request
-from disagg.gateway.tools import Hermes, ToolStream, parse_reply, parse_tools
+from disagg.gateway.tool_stream import ToolStream
+from disagg.gateway.tools import Hermes, parse_reply, parse_tools
 
 pytestmark = pytest.mark.unit
 WEATHER = {
@@ -161,3 +162,46 @@ def test_a_stream_without_a_call_passes_its_text_through_even_a_lone_angle_brack
     stream = ToolStream(parse_tools({"tools": [WEATHER]}))
     out = "".join(stream.feed(p)[0] for p in ("a <b", " and <tool", "_c"))
     assert out + stream.finish() == "a <b and <tool_c"
+
+
+def test_arguments_stream_as_they_are_written_and_add_up_to_the_whole_replys():
+    tools = parse_tools({"tools": [WEATHER, TIME]})
+    args = {"city": "Paris", "unit": "celsius"}
+    text = Hermes.call_text("get_weather", args) + Hermes.call_text("get_time", {})
+    stream = ToolStream(tools)
+    seen: list[tuple[int, dict]] = []  # (characters fed, delta)
+    for n, ch in enumerate(text, 1):
+        seen += [(n, d) for d in stream.feed(ch)[1]]
+    assert stream.finish() == ""
+    first_close = text.index(Hermes.CLOSE)
+    head_at = next(n for n, d in seen if d["function"].get("name") == "get_weather")
+    assert head_at <= text.index('"city"')  # the name went out before the arguments came
+    pieces = [d for n, d in seen if d["index"] == 0 and d["function"]["arguments"]]
+    assert len(pieces) > 3 and seen[1][0] < first_close  # arguments grew before the close
+    _, calls = parse_reply(text, tools)
+    for i, call in enumerate(calls):
+        streamed = "".join(d["function"]["arguments"] for _, d in seen if d["index"] == i)
+        assert streamed == call.arguments
+    assert json.loads(calls[0].arguments) == args
+    assert [d["id"] for _, d in seen if "id" in d] == [c.id for c in stream.calls]
+
+
+def test_an_endpoints_relayed_calls_make_the_reply_whole_and_streamed():
+    from disagg.gateway.backend import Piece
+    from disagg.gateway.choice_stream import ChoiceStream
+    from disagg.gateway.openai_api import parse_request, whole_choice
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    req = parse_request(body, "chat")
+    native = json.loads(req.inputs["openai_tools"])
+    assert native["messages"] == body["messages"] and native["tools"] == [WEATHER]
+    call = {"index": 0, "id": "call_9", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    choice = whole_choice(req, "", "tool_calls", relayed=[call])
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"] == [{k: v for k, v in call.items() if k != "index"}]
+    stream = ChoiceStream(req, "r", "fp")
+    chunks = stream.chunks(Piece("", 3, 1, None, tool_calls=[call]))
+    chunks += stream.chunks(Piece("", 3, 2, "tool_calls"))
+    assert chunks[0]["choices"][0]["delta"]["tool_calls"] == [call]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

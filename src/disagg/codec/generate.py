@@ -79,6 +79,7 @@ ROUTING_HINTS = Tensors(
         _optional(C.LATENCY_SLA_MS, np.float32),
         _optional(C.TASK_TYPE, np.object_),
         _optional(C.PRIORITY, np.int32),
+        _optional(C.OPENAI_TOOLS, np.object_),
     )
 )
 _INPUT_IDS = TensorSpec(C.INPUT_IDS, np.int32, (-1,))
@@ -193,12 +194,16 @@ def _client_values(reply: Reply | RoutedReply) -> dict[str, Any]:
 
 def read_logprobs(arrays: Mapping[str, Array]) -> list[dict[str, Any]] | None:
     """OUTPUT_LOGPROBS_CONTENT of a response, when it carries it."""
-    value = arrays.get(C.OUTPUT_LOGPROBS_CONTENT)
+    return _read_json_list(arrays, C.OUTPUT_LOGPROBS_CONTENT)
+
+
+def _read_json_list(arrays: Mapping[str, Array], name: str) -> list[dict[str, Any]] | None:
+    value = arrays.get(name)
     if value is None:
         return None
     content = json.loads(value.reshape(-1)[0])
     if not isinstance(content, list):
-        raise ValueError(f"{C.OUTPUT_LOGPROBS_CONTENT} is not a JSON array")
+        raise ValueError(f"{name} is not a JSON array")
     return content
 
 
@@ -268,11 +273,14 @@ class RouterReply:
         )
     )
     EXTRAS = ROUTING + Tensors((TensorSpec(C.NUM_CACHED_TOKENS, np.int32),))  # final only
-    TENSORS = CLIENT_OUTPUTS + LOGPROB_OUTPUTS + EXTRAS
+    TOOL_CALLS = Tensors((TensorSpec(C.OUTPUT_TOOL_CALLS, np.object_),))  # when relayed
+    TENSORS = CLIENT_OUTPUTS + LOGPROB_OUTPUTS + TOOL_CALLS + EXTRAS
 
     @staticmethod
     def encode(reply: RoutedReply, batched: bool) -> Arrays:
         values = _client_values(reply)
+        if reply.tool_calls:
+            values[C.OUTPUT_TOOL_CALLS] = json.dumps(reply.tool_calls)
         if reply.finish_reason is not None:
             values |= {
                 C.ROUTE_TARGET: reply.target,
@@ -298,6 +306,7 @@ class RouterReply:
             error=extras.get(C.ERROR, ""),
             num_cached_tokens=int(scalar(arrays.get(C.NUM_CACHED_TOKENS)) or 0),
             logprobs=read_logprobs(arrays),
+            tool_calls=_read_json_list(arrays, C.OUTPUT_TOOL_CALLS),
         )
 
     @staticmethod

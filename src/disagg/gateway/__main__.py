@@ -22,6 +22,7 @@ from disagg.gateway.app import GatewayConfig, create_app
 from disagg.gateway.auth import KEYS_ENV, KeyStore, RateLimiter
 from disagg.gateway.backend import TritonBackend
 from disagg.gateway.http import MAX_HEAD_BYTES, H11HeadLimit
+from disagg.gateway.openai_api import MAX_N
 from disagg.gateway.registry import Registry
 from disagg.settings import ServeSettings
 
@@ -58,6 +59,7 @@ def build_config(settings: ServeSettings, env: Mapping[str, str] = os.environ) -
         ),
         admin_key=env.get(ADMIN_KEY_ENV) or None,
         max_body_bytes=settings.gateway_max_body_bytes,
+        max_n=min(MAX_N, settings.decode_max_num_seqs),
     )
 
 

@@ -37,6 +37,9 @@ class GatewayConfig:
     backend: TritonBackend
     admin_key: str | None
     max_body_bytes: int = 1 << 20
+    # choices one request may ask for: at most the sequences decode runs at once (more could
+    # not decode together; openai_api.MAX_N caps it)
+    max_n: int = 16
 
 
 class Probes:
@@ -71,7 +74,7 @@ def create_app(cfg: GatewayConfig) -> Starlette:
     cfg.backend.on_retry = metrics.retries.inc
     probes = Probes(cfg.registry, cfg.backend, metrics)
     api = OpenAIRoutes(
-        cfg.keys, cfg.limiter, cfg.registry, cfg.backend, metrics, cfg.max_body_bytes
+        cfg.keys, cfg.limiter, cfg.registry, cfg.backend, metrics, cfg.max_body_bytes, cfg.max_n
     )
     admin = AdminRoutes(cfg.registry, cfg.admin_key)
 

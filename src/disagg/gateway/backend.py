@@ -33,6 +33,7 @@ class Piece:
     num_cached_tokens: int = 0  # on the last: prompt tokens a prefix cache gave
     # with logprobs asked for: this piece's tokens as OpenAI's chat logprobs objects
     logprobs: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an endpoint's tool-call deltas, relayed
 
 
 def _inputs(fields: dict[str, Any]) -> list[grpcclient.InferInput]:
@@ -57,6 +58,7 @@ def _piece(result: grpcclient.InferResult) -> Piece:
         extra=RouterReply.extras(arrays),
         num_cached_tokens=reply.num_cached_tokens,
         logprobs=reply.logprobs,
+        tool_calls=reply.tool_calls,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from disagg.gateway import openai_api as oa
 from disagg.gateway.backend import Piece
-from disagg.gateway.tools import ToolStream
+from disagg.gateway.tool_stream import ToolStream
 
 JSON = dict[str, Any]
 
@@ -22,20 +22,24 @@ class Whole:
     text: str
     last: Piece | None  # None: the stream ended without a response
     logprobs: list[JSON] | None  # every token's, when asked for
+    tool_calls: list[JSON] | None = None  # an endpoint's calls, relayed whole
 
     def choice(self, req: oa.GenRequest, index: int = 0) -> JSON:
         assert self.last is not None
-        return oa.whole_choice(req, self.text, self.last.finish_reason or "", self.logprobs, index)
+        finish = self.last.finish_reason or ""
+        return oa.whole_choice(req, self.text, finish, self.logprobs, index, self.tool_calls)
 
 
 async def collect(pieces: AsyncIterator[Piece]) -> Whole:
-    text, last, logprobs = "", None, None
+    text, last, logprobs, calls = "", None, None, None
     async for piece in pieces:
         text += piece.text
         if piece.logprobs is not None:
             logprobs = (logprobs or []) + piece.logprobs
+        if piece.tool_calls:
+            calls = (calls or []) + piece.tool_calls
         last = piece
-    return Whole(text, last, logprobs)
+    return Whole(text, last, logprobs, calls)
 
 
 class ChoiceStream:
@@ -46,6 +50,7 @@ class ChoiceStream:
         self.req, self.rid, self.fingerprint = req, rid, fingerprint
         self.tools = ToolStream(req.tools) if req.tools is not None else None
         self.offset = 0  # characters of text before the next token (completions' text_offset)
+        self.relayed = False  # an endpoint's tool calls went out
 
     def chunks(self, piece: Piece) -> list[JSON]:
         req = self.req
@@ -54,6 +59,8 @@ class ChoiceStream:
             text, calls = self.tools.feed(piece.text)
             if piece.finish_reason is not None:
                 text += self.tools.finish()
+        if piece.tool_calls:  # an endpoint's, in OpenAI's shape already
+            calls, self.relayed = (calls or []) + piece.tool_calls, True
         logprobs = None
         if req.logprobs and piece.logprobs:
             logprobs = oa.choice_logprobs(req, piece.logprobs, self.offset)
@@ -72,7 +79,7 @@ class ChoiceStream:
             )
         if piece.finish_reason is not None:
             finish = piece.finish_reason
-            if self.tools is not None and self.tools.calls and finish == "stop":
+            if (self.relayed or (self.tools is not None and self.tools.calls)) and finish == "stop":
                 finish = oa.TOOL_CALLS
             out.append(oa.chunk(req, self.rid, self.fingerprint, finish=finish))
         return out

@@ -151,7 +151,8 @@ def _prompt(body: JSON) -> str:
     return prompt
 
 
-def parse_request(body: object, kind: str) -> GenRequest:
+def parse_request(body: object, kind: str, max_n: int = MAX_N) -> GenRequest:
+    """`max_n`: the choices decode can run together (GatewayConfig.max_n)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
@@ -163,6 +164,10 @@ def parse_request(body: object, kind: str) -> GenRequest:
     if kind == "chat":
         tools = parse_tools(body)
         inputs[C.MESSAGES] = json.dumps(_messages(body, tools))
+        if tools is not None:  # an OpenAI endpoint serves them natively (docs/routing.md)
+            native = {k: body.get(k) for k in ("messages", "tools", "tool_choice",
+                                               "parallel_tool_calls")}  # fmt: skip
+            inputs[C.OPENAI_TOOLS] = json.dumps(native)
     else:
         inputs[C.TEXT_INPUT] = _prompt(body)
     max_tokens = max_tokens_of(body)
@@ -214,9 +219,23 @@ def parse_request(body: object, kind: str) -> GenRequest:
         stream=stream,
         include_usage=include_usage,
         tools=tools,
-        n=int(number(body, "n", 1, MAX_N, integer=True) or 1),
+        n=_choices(body, max_n),
         logprobs=logprobs,
     )
+
+
+def _choices(body: JSON, max_n: int) -> int:
+    """`n`: each choice is a sequence of its own in the decode batch, holding its own KV
+    (prompt + max_tokens); choices beyond the sequences decode runs at once could not decode
+    together (the later ones would wait for the first to end), so they are refused."""
+    n = int(number(body, "n", 1, MAX_N, integer=True) or 1)
+    if n > max_n:
+        raise bad_request(
+            f"'n' = {n}: this server decodes {max_n} sequences at once (decode_max_num_seqs), "
+            "and each choice is one of them with its own KV cache; ask for fewer",
+            "n",
+        )
+    return n
 
 
 def _tool_inputs(tools: Tools, inputs: dict[str, object]) -> None:
@@ -291,15 +310,24 @@ def choice_logprobs(req: GenRequest, content: list[JSON], offset: int = 0) -> JS
 
 
 def whole_choice(
-    req: GenRequest, text: str, finish: str, logprobs: list[JSON] | None = None, index: int = 0
+    req: GenRequest,
+    text: str,
+    finish: str,
+    logprobs: list[JSON] | None = None,
+    index: int = 0,
+    relayed: list[JSON] | None = None,
 ) -> JSON:
-    """One whole choice: its message (tool calls parsed out of it) or text, its logprobs
-    and its finish reason."""
+    """One whole choice: its message (tool calls parsed out of it, or `relayed`: the calls an
+    endpoint answered with) or text, its logprobs and its finish reason."""
     reason = FINISH.get(finish, finish)
     lp = choice_logprobs(req, logprobs or []) if req.logprobs else None
     if req.kind != "chat":
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
     message: JSON = {"role": "assistant", "content": text}
+    if relayed:
+        calls_json = [{k: v for k, v in c.items() if k != "index"} for c in relayed]
+        message = {"role": "assistant", "content": text or None, "tool_calls": calls_json}
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": TOOL_CALLS}
     if req.tools is not None:
         content, calls = parse_reply(text, req.tools)
         if calls:

@@ -45,6 +45,7 @@ class OpenAIRoutes:
         backend: TritonBackend,
         metrics: GatewayMetrics,
         max_body_bytes: int,
+        max_n: int = oa.MAX_N,
     ) -> None:
         self.keys = keys  # None: authentication disabled (loopback only)
         self.limiter = limiter
@@ -52,6 +53,7 @@ class OpenAIRoutes:
         self.backend = backend
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.max_n = max_n
 
     # -------------------------------------------------------------- auth
 
@@ -131,7 +133,7 @@ class OpenAIRoutes:
             call.key = self.authenticate(call.request)
             self.admit(call.key)
             body = await read_json(call.request, self.max_body_bytes)
-            req = call.req = oa.parse_request(body, call.api)
+            req = call.req = oa.parse_request(body, call.api, self.max_n)
             model, version = self.registry.resolve(req.model)
             call.model = model.name
             req.inputs[C.MODEL] = model.name  # routing rules may match on it

@@ -247,7 +247,7 @@ def parse_reply(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
         return text, []
     calls = []
     for block in re.findall(re.escape(fmt.OPEN) + r"(.*?)" + re.escape(fmt.CLOSE), text, re.S):
-        call = _parse_call(block, tools)
+        call = parse_call(block, tools)
         if call is None:
             return text, []
         calls.append(call)
@@ -257,9 +257,12 @@ def parse_reply(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
     return content or None, calls
 
 
-def _parse_call(block: str, tools: Tools) -> ToolCall | None:
+def parse_call(block: str, tools: Tools) -> ToolCall | None:
+    """A block's call, its arguments as the model wrote them (so a stream's argument
+    deltas, sent as they came, add up to the same string)."""
     try:
         obj = json.loads(block)
+        spans = _value_spans(block)
     except ValueError:
         return None
     if not isinstance(obj, dict) or obj.get("name") not in tools.names:
@@ -267,61 +270,28 @@ def _parse_call(block: str, tools: Tools) -> ToolCall | None:
     args = obj.get("arguments", {})
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args))
+    raw = block[slice(*spans["arguments"])] if "arguments" in spans else "{}"
+    return ToolCall(obj["name"], raw)
 
 
-class ToolStream:
-    """A streamed reply split into content deltas and tool calls: text is passed on until a
-    `<tool_call>` may be starting (a possible beginning is held back), then buffered; each
-    block that closes becomes a call (two deltas, as OpenAI streams them: id and name, then
-    the arguments). What never closes, or does not parse, goes out as content at the end."""
-
-    def __init__(self, tools: Tools) -> None:
-        self.tools = tools
-        self.pending = ""  # held back: a possible beginning of a block, or an open block
-        self.calls: list[ToolCall] = []
-        self.in_block = False
-
-    def feed(self, text: str) -> tuple[str, list[JSON]]:
-        """-> (content to send now, tool-call deltas to send now)."""
-        self.pending += text
-        content, deltas = "", list[JSON]()
-        while True:
-            if not self.in_block:
-                at = self.pending.find(Hermes.OPEN)
-                if at < 0:
-                    keep = _possible_start(self.pending, Hermes.OPEN)
-                    cut = len(self.pending) - keep
-                    if not self.calls:  # text after a call is dropped, as parse_reply does
-                        content += self.pending[:cut]
-                    self.pending = self.pending[cut:]
-                    return content, deltas
-                if not self.calls:
-                    content += self.pending[:at]
-                self.pending, self.in_block = self.pending[at:], True
-            end = self.pending.find(Hermes.CLOSE)
-            if end < 0:
-                return content, deltas
-            block = self.pending[len(Hermes.OPEN) : end]
-            call = _parse_call(block, self.tools)
-            if call is None:  # not a call after all: it is text
-                content += self.pending[: end + len(Hermes.CLOSE)] if not self.calls else ""
-            else:
-                i = len(self.calls)
-                self.calls.append(call)
-                head = {**call.as_json(i), "function": {"name": call.name, "arguments": ""}}
-                deltas += [head, {"index": i, "function": {"arguments": call.arguments}}]
-            self.pending, self.in_block = self.pending[end + len(Hermes.CLOSE) :], False
-
-    def finish(self) -> str:
-        """Content still held back (an unclosed block, a partial tag), if no call was made."""
-        rest, self.pending = self.pending, ""
-        return "" if self.calls else rest
-
-
-def _possible_start(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could begin `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+def _value_spans(text: str) -> dict[str, tuple[int, int]]:
+    """Where each top-level value of a JSON object stands in `text` (ValueError if it is
+    not one object)."""
+    decoder, ws = json.JSONDecoder(), re.compile(r"\s*")
+    i = ws.match(text, 0).end()  # type: ignore[union-attr]
+    if text[i : i + 1] != "{":
+        raise ValueError("not an object")
+    spans: dict[str, tuple[int, int]] = {}
+    i = ws.match(text, i + 1).end()  # type: ignore[union-attr]
+    while text[i : i + 1] != "}":
+        key, i = decoder.raw_decode(text, i)
+        i = ws.match(text, i).end()  # type: ignore[union-attr]
+        if text[i : i + 1] != ":":
+            raise ValueError("expected ':'")
+        start = ws.match(text, i + 1).end()  # type: ignore[union-attr]
+        _, i = decoder.raw_decode(text, start)
+        spans[str(key)] = (start, i)
+        i = ws.match(text, i).end()  # type: ignore[union-attr]
+        if text[i : i + 1] == ",":
+            i = ws.match(text, i + 1).end()  # type: ignore[union-attr]
+    return spans

@@ -121,13 +121,15 @@ class EndpointError(DisaggError):
 class ChatRequest:
     """What is sent: the OpenAI chat-completions fields disagg can map faithfully."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     response_format: dict[str, Any] | None = None  # a JSON guide (json_object, json_schema)
+    # the client's tools, served natively: "tools", "tool_choice", "parallel_tool_calls"
+    tools: dict[str, Any] | None = None
 
     def body(self, model: str) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -145,6 +147,8 @@ class ChatRequest:
             body["stop"] = list(self.stop)
         if self.response_format is not None:
             body["response_format"] = self.response_format
+        if self.tools is not None:
+            body.update({k: v for k, v in self.tools.items() if v is not None})
         return body
 
 
@@ -153,6 +157,7 @@ class StreamEvent:
     text: str = ""  # a content delta
     finish_reason: str | None = None  # on the last event
     usage: dict[str, int] = field(default_factory=dict)  # prompt/completion_tokens, if reported
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's deltas, as sent
 
 
 def _status_error(status: int, body: str) -> EndpointError:
@@ -165,6 +170,18 @@ def _status_error(status: int, body: str) -> EndpointError:
     if status in (401, 403, 404):
         return EndpointError(AUTH, f"refused ({status}): {body}", status)
     return EndpointError(REJECTED, f"request refused ({status}): {body}", status)
+
+
+def _is_call_delta(delta: object) -> bool:
+    """An OpenAI tool-call delta: an index, and strings where it has an id or a function."""
+    if not isinstance(delta, dict) or not isinstance(delta.get("index"), int):
+        return False
+    fn = delta.get("function") or {}
+    return (
+        isinstance(fn, dict)
+        and all(isinstance(fn.get(k) or "", str) for k in ("name", "arguments"))
+        and isinstance(delta.get("id") or "", str)
+    )
 
 
 class OpenAIEndpoint:
@@ -314,9 +331,9 @@ class OpenAIEndpoint:
                 event = self._parse_chunk(data)
                 usage = event.usage or usage
                 finish = event.finish_reason or finish
-                if event.text:
+                if event.text or event.tool_calls:
                     got_content = True
-                    yield StreamEvent(text=event.text)
+                    yield StreamEvent(text=event.text, tool_calls=event.tool_calls)
             yield StreamEvent(finish_reason=finish, usage=usage)
         finally:
             conn.close()
@@ -339,12 +356,16 @@ class OpenAIEndpoint:
             return StreamEvent(usage=usage if isinstance(usage, dict) else {})
         try:
             choice = choices[0]
-            text = (choice.get("delta") or {}).get("content") or ""
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+            calls = delta.get("tool_calls") or []
             if not isinstance(text, str):
                 raise TypeError(type(text).__name__)
+            if not isinstance(calls, list) or not all(_is_call_delta(c) for c in calls):
+                raise TypeError("tool_calls is not a list of tool-call deltas")
         except (AttributeError, TypeError) as e:
             raise EndpointError(PROTOCOL, f"malformed chunk ({e}): {data[:200]!r}") from None
-        return StreamEvent(text, choice.get("finish_reason"), usage)
+        return StreamEvent(text, choice.get("finish_reason"), usage, calls)
 
     @staticmethod
     def _error_body(resp: http.client.HTTPResponse) -> str:

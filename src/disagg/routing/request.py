@@ -57,12 +57,29 @@ def local_only_fields(
     ):
         if value != off:
             why.append(name)
-    # an OpenAI endpoint takes JSON (response_format) but not a regex or a grammar
-    if g.guide_type not in ("", "json", "json_schema"):
+    # an OpenAI endpoint takes JSON (response_format) but not a regex or a grammar; with the
+    # client's tools, a grammar is the gateway's for required calls, which the endpoint's
+    # tool_choice does natively
+    tool_grammar = g.guide_type == "lark" and bool(fields.get(C.OPENAI_TOOLS))
+    if g.guide_type not in ("", "json", "json_schema") and not tool_grammar:
         why.append(C.GUIDED_DECODING_GUIDE_TYPE)
     if g.return_log_probs:  # Groq's API returns no logprobs (and the ids would be its own)
         why.append(C.RETURN_LOG_PROBS)
     return tuple(why)
+
+
+def openai_tools(fields: dict[str, Any]) -> dict[str, Any] | None:
+    """OPENAI_TOOLS: the client's messages and tools as it sent them (the gateway's JSON)."""
+    text = fields.get(C.OPENAI_TOOLS)
+    if not text:
+        return None
+    try:
+        tools = json.loads(text)
+    except ValueError as e:
+        raise RequestError(f"{C.OPENAI_TOOLS} is not JSON: {e}") from e
+    if not isinstance(tools, dict) or not isinstance(tools.get("messages"), list):
+        raise RequestError(f"{C.OPENAI_TOOLS} must be an object with the client's messages")
+    return tools
 
 
 def response_format(g: GenerationFields) -> dict[str, Any] | None:
@@ -116,9 +133,11 @@ def build_route_request(
     local[C.INPUT_IDS] = prompt_ids
     not_for_endpoints = local_only_fields(fields, messages)
     chat = None
+    tools = openai_tools(fields)
     if not not_for_endpoints and messages is not None:
         chat = ChatRequest(
-            messages=messages,
+            messages=tools.pop("messages") if tools else messages,
+            tools=tools,
             max_tokens=max_tokens,
             temperature=g.temperature,
             top_p=g.top_p,

@@ -221,17 +221,21 @@ class Router:
         assert req.chat is not None
         out = RoutedReply("", req.features.prompt_tokens, served_by=ep.name)
         text, sent, usage = "", False, {}
+        calls: dict[int, dict[str, Any]] = {}  # the tool calls so far, by index (a whole reply)
         events = ep.stream_chat(req.features.model, req.chat)
         try:
             for ev in events:
                 if is_cancelled():
                     out.finish_reason = FinishReason.ABORT.value
                     break
-                if ev.text:
+                if ev.text or ev.tool_calls:
                     text += ev.text
                     out.num_output_tokens += 1  # chunks until usage says otherwise
+                    merge_tool_calls(calls, ev.tool_calls)
                     if req.stream:
-                        emit(RoutedReply(ev.text, out.num_input_tokens, out.num_output_tokens))
+                        delta = RoutedReply(ev.text, out.num_input_tokens, out.num_output_tokens)
+                        delta.tool_calls = ev.tool_calls or None
+                        emit(delta)
                         sent = True
                 if ev.finish_reason is not None:
                     out.finish_reason, usage = ev.finish_reason, ev.usage
@@ -249,6 +253,7 @@ class Router:
             out.text = ""
         else:
             out.text = text if req.exclude_input_in_output else req.prompt_text + text
+            out.tool_calls = [calls[i] for i in sorted(calls)] or None
         return out
 
     def _serve_local(
@@ -271,3 +276,17 @@ class Router:
         if final is None:
             raise PoolError(f"{target.model} ended without a final response")
         return final
+
+
+def merge_tool_calls(calls: dict[int, dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
+    """Add OpenAI tool-call deltas to the calls they belong to (by index): the id, type and
+    name as they first come, the arguments concatenated."""
+    for d in deltas:
+        call = calls.setdefault(
+            d["index"], {"index": d["index"], "id": "", "type": "function",
+                         "function": {"name": "", "arguments": ""}}
+        )  # fmt: skip
+        call["id"] = call["id"] or d.get("id") or ""
+        fn = d.get("function") or {}
+        call["function"]["name"] = call["function"]["name"] or fn.get("name") or ""
+        call["function"]["arguments"] += fn.get("arguments") or ""

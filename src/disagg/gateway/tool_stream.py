@@ -1,0 +1,117 @@
+"""A streamed reply split into content and OpenAI's tool-call deltas (tools.py's Hermes
+format): the streaming half of tools.py's parse_reply."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from disagg.gateway.tools import Hermes, ToolCall, Tools, parse_call
+
+JSON = dict[str, Any]
+
+# an open block whose name is known and whose arguments have begun: the name can go out
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+class ToolStream:
+    """A streamed reply split into content deltas and tool calls, as OpenAI streams them:
+    text is passed on until a `<tool_call>` may be starting (a possible beginning is held
+    back); in a block, the call's id and name go out once the name is complete and the
+    arguments have begun, then the arguments as they grow (what may be the block's own
+    closing brace held back), the rest when the block closes. A block that never closes,
+    does not parse or writes "arguments" before "name" goes out whole when it closes or as
+    content at the end; one whose name went out but whose arguments then fail to parse
+    (possible only with tool_choice auto: required and named calls are decoded under a
+    grammar) ends there, its arguments incomplete."""
+
+    def __init__(self, tools: Tools) -> None:
+        self.tools = tools
+        self.pending = ""  # held back: a possible beginning of a block, or an open block
+        self.calls: list[ToolCall] = []
+        self.in_block = False
+        self.head: ToolCall | None = None  # the open block's call, once its name went out
+        self.args_at = 0  # where its arguments begin in `pending`
+        self.args_sent = 0  # characters of them already sent
+
+    def feed(self, text: str) -> tuple[str, list[JSON]]:
+        """-> (content to send now, tool-call deltas to send now)."""
+        self.pending += text
+        content, deltas = "", list[JSON]()
+        while True:
+            if not self.in_block:
+                at = self.pending.find(Hermes.OPEN)
+                if at < 0:
+                    keep = _possible_start(self.pending, Hermes.OPEN)
+                    cut = len(self.pending) - keep
+                    if not self.calls:  # text after a call is dropped, as parse_reply does
+                        content += self.pending[:cut]
+                    self.pending = self.pending[cut:]
+                    return content, deltas
+                if not self.calls:
+                    content += self.pending[:at]
+                self.pending, self.in_block = self.pending[at:], True
+            end = self.pending.find(Hermes.CLOSE)
+            if end < 0:
+                deltas += self._open_block()
+                return content, deltas
+            closed, was_call = self._close_block(end)
+            deltas += closed
+            if not was_call and not self.calls:  # not a call after all: it is text
+                content += self.pending[: end + len(Hermes.CLOSE)]
+            self.head = None
+            self.pending, self.in_block = self.pending[end + len(Hermes.CLOSE) :], False
+
+    def _open_block(self) -> list[JSON]:
+        """Deltas of the open block so far: its head once the name is known, then the
+        arguments written since, less a tail that may be the block's closing brace."""
+        out: list[JSON] = []
+        i = len(self.calls)
+        if self.head is None:
+            m = _HEAD.match(self.pending, len(Hermes.OPEN))
+            if m is None or m.group(1) not in self.tools.names:
+                return out
+            self.head, self.args_at, self.args_sent = ToolCall(m.group(1), ""), m.end(), 0
+            head = self.head.as_json(i)
+            out.append({**head, "function": {"name": self.head.name, "arguments": ""}})
+        args = self.pending[self.args_at :]
+        keep = _possible_start(args, Hermes.CLOSE)
+        ready = len(args[: len(args) - keep].rstrip(" \t\n}"))
+        if ready > self.args_sent:
+            out.append({"index": i, "function": {"arguments": args[self.args_sent : ready]}})
+            self.args_sent = ready
+        return out
+
+    def _close_block(self, end: int) -> tuple[list[JSON], bool]:
+        """Deltas that complete the block closing at `end` (its call recorded), and whether
+        it was a call (False: it is text)."""
+        out: list[JSON] = []
+        call = parse_call(self.pending[len(Hermes.OPEN) : end], self.tools)
+        if self.head is None:
+            if call is not None:
+                i = len(self.calls)
+                head = {**call.as_json(i), "function": {"name": call.name, "arguments": ""}}
+                out += [head, {"index": i, "function": {"arguments": call.arguments}}]
+                self.calls.append(call)
+            return out, call is not None
+        if call is None or call.name != self.head.name:
+            return out, True  # (its head went out: the client has a call, arguments broken)
+        sent = self.pending[self.args_at : self.args_at + self.args_sent]
+        if call.arguments.startswith(sent) and len(call.arguments) > len(sent):
+            rest = call.arguments[len(sent) :]
+            out.append({"index": len(self.calls), "function": {"arguments": rest}})
+        self.calls.append(ToolCall(call.name, call.arguments, self.head.id))
+        return out, True
+
+    def finish(self) -> str:
+        """Content still held back (an unclosed block, a partial tag), if no call was made."""
+        rest, self.pending = self.pending, ""
+        return "" if self.calls else rest
+
+
+def _possible_start(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
