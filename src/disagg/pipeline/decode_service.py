@@ -236,7 +236,9 @@ class DecodeService:
             elif batch:
                 stream.started = True
             try:
-                stream.sink.send(batch, finished.get(rid), cached.get(rid, 0), lps or None)
+                # (one per token or none: an engine that could not say for some sends none)
+                aligned = lps if lps and len(lps) == len(batch) else None
+                stream.sink.send(batch, finished.get(rid), cached.get(rid, 0), aligned)
             except Exception:  # the client is gone: stop spending steps on it
                 log.info("request %s: sending failed; finishing it", rid)
                 self.engine.finish_request(rid, FinishReason.ABORT)
