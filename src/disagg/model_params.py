@@ -120,6 +120,7 @@ class OrchestratorParams:
     orchestrator_max_concurrency: int
     migration_limit: int
     decode_recover_s: float
+    decode_hang_s: float
     prefix_cache_tokens: int  # the pools' own budget: how much of them the locality mirrors
     decode_instances: int  # more than one: which instance holds a prompt is not known here
 

@@ -23,6 +23,7 @@ from disagg.serve.supervisor import stub_processes
 pytestmark = pytest.mark.integration
 PROMPTS = ["What is the capital of France?", "List three prime numbers.", "Say hello in French."]
 HUNG_S = 90
+HANG_S = 4.0  # the frontend's decode_hang_s: a frozen decode node's streams move on after it
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +52,7 @@ def cluster(engine_dir, tmp_path_factory):
             role="frontend",
             prefill_replicas=replicas["prefill"],
             decode_replicas=replicas["decode"],
+            decode_hang_s=HANG_S,
         )
         servers["frontend"] = TritonServer(front, admin_key="k").start()
         servers["frontend"].wait_ready(timeout_s=240)
@@ -157,6 +159,41 @@ def _serving_decode_server(cluster) -> str:
         if server.proc.poll() is None and metric(server, "disagg_decode_active_sequences") > 0:
             return name
     raise AssertionError("no decode server is decoding")
+
+
+def test_a_decode_server_frozen_mid_stream_moves_the_stream_to_the_other(cluster, llm):
+    """SIGSTOP, not SIGKILL (#27 item 4): a hung node never sends an error, and its TCP
+    connections stay open. The stream, silent for decode_hang_s after its tokens began, moves
+    to the other decode server: the client sees one stream, the greedy reply of an
+    undisturbed run; thawed, the frozen server serves again."""
+    prompt, n = "Write a long story about a castle.", 96
+    (ref,) = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
+    deltas, frozen, gaps = [], [], []
+    last = [time.monotonic()]
+
+    def on_delta(d):
+        now = time.monotonic()
+        gaps.append(now - last[0])
+        last[0] = now
+        deltas.append(d)
+        if len(deltas) == 12 and not frozen:
+            name = _serving_decode_server(cluster)
+            frozen.append(name)
+            os.killpg(cluster[name].proc.pid, signal.SIGSTOP)
+
+    body = {**chat(prompt, n), C.IGNORE_EOS: True}
+    try:
+        r = http(cluster).generate("router", body, stream=True, on_delta=on_delta)
+    finally:
+        for name in frozen:
+            os.killpg(cluster[name].proc.pid, signal.SIGCONT)
+    assert frozen, "the stream ended before the fault"
+    assert r.num_output_tokens == n and r.finish_reason == "length"
+    assert "".join(deltas) == r.text == ref.text
+    assert HANG_S <= max(gaps) < HANG_S + 30  # it waited out decode_hang_s, then moved on
+    cluster[frozen[0]].wait_ready(timeout_s=120)  # thawed, it answers again
+    again = http(cluster).generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 4})
+    assert again.num_output_tokens == 4
 
 
 def test_a_decode_server_killed_mid_stream_moves_the_stream_to_the_other(cluster, llm):

@@ -105,7 +105,7 @@ class TritonPythonModel:
         if p.decode_replicas:
             from disagg.remote.pools import GrpcDecodePool
 
-            return GrpcDecodePool(p.decode_replicas, route=route_params(p))
+            return GrpcDecodePool(p.decode_replicas, route=route_params(p), hang_s=p.decode_hang_s)
         return pools.BlsDecodePool(p.decode_model, cancels)
 
     def _parse(self, request):

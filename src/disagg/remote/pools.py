@@ -246,9 +246,16 @@ class GrpcDecodePool:
         model: str = "decode",
         stall_s: float = 300.0,
         route: RouteParams | None = None,
+        hang_s: float = 30.0,
     ) -> None:
+        """A stream that has had no response for `stall_s` (before its first token: it may
+        wait for a slot or prefill a long prompt there) or `hang_s` (after: a live replica
+        sends every step, a second or two apart at worst) ends with PoolError and its
+        replica is ejected: the orchestrator moves the stream to another replica. A frozen or
+        partitioned node is found this way; a dead one sooner, by its broken connection."""
         self.model = model
-        self.stall_s = stall_s  # no response for this long: the replica is hung
+        self.stall_s = stall_s
+        self.hang_s = hang_s
         self.clients = ClientCache()
         self.replicas = replica_set(replicas, self.clients, model, route, decode=True)
         self._streams: dict[str, grpcclient.InferenceServerClient] = {}
@@ -330,12 +337,15 @@ class GrpcDecodePool:
                 enable_empty_final_response=True,
                 parameters=remote_parameters(),
             )
+            started = False  # its tokens began: silence now means a hung replica
             while True:
+                wait = self.hang_s if started else self.stall_s
                 try:
-                    result, error = events.get(timeout=self.stall_s)
+                    result, error = events.get(timeout=wait)
                 except queue.Empty:
-                    self.replicas.eject(replica, "stalled")
-                    raise PoolError(f"{what}: no response in {self.stall_s:.0f} s") from None
+                    self.replicas.eject(replica, "hung" if started else "stalled")
+                    after = " after its tokens began (hung)" if started else ""
+                    raise PoolError(f"{what}: no response in {wait:g} s{after}") from None
                 if error is not None:
                     if _unreachable(error):  # (a prefix miss never is)
                         self.replicas.eject(replica, str(error))
@@ -349,7 +359,9 @@ class GrpcDecodePool:
                     self.replicas.report(replica, *load)
                 final = result.get_response().parameters.get("triton_final_response")
                 if C.TOKEN_IDS in arrays:  # not the empty response that carries FINAL
-                    yield DecodeStepResponse.decode(arrays)
+                    step = DecodeStepResponse.decode(arrays)
+                    started = started or bool(step.token_ids)
+                    yield step
                 if final is not None and final.bool_param:
                     return
         finally:
