@@ -169,7 +169,7 @@ def test_endpoint_tool_call_deltas_are_read_checked_and_merged_into_calls():
     import json
 
     from disagg.routing.endpoint import EndpointError, OpenAIEndpoint
-    from disagg.routing.router import merge_tool_calls
+    from disagg.tool_deltas import merge_tool_calls
 
     def chunk(delta):
         return json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})

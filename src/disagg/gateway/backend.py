@@ -200,7 +200,7 @@ class TritonBackend:
                     # call behind to be cancelled
                     done = True
                     await _finish(call)
-                if piece.text or piece.finish_reason:
+                if piece.text or piece.finish_reason or piece.tool_calls or piece.logprobs:
                     yield piece
                 if done:
                     return

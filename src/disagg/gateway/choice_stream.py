@@ -11,6 +11,7 @@ from typing import Any
 from disagg.gateway import openai_api as oa
 from disagg.gateway.backend import Piece
 from disagg.gateway.tool_stream import ToolStream
+from disagg.tool_deltas import merged
 
 JSON = dict[str, Any]
 
@@ -22,12 +23,13 @@ class Whole:
     text: str
     last: Piece | None  # None: the stream ended without a response
     logprobs: list[JSON] | None  # every token's, when asked for
-    tool_calls: list[JSON] | None = None  # an endpoint's calls, relayed whole
+    tool_calls: list[JSON] | None = None  # an endpoint's tool-call deltas, as relayed
 
     def choice(self, req: oa.GenRequest, index: int = 0) -> JSON:
         assert self.last is not None
         finish = self.last.finish_reason or ""
-        return oa.whole_choice(req, self.text, finish, self.logprobs, index, self.tool_calls)
+        calls = merged(self.tool_calls) if self.tool_calls else None
+        return oa.whole_choice(req, self.text, finish, self.logprobs, index, calls)
 
 
 async def collect(pieces: AsyncIterator[Piece]) -> Whole:

@@ -16,9 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg import contracts as C
-from disagg.engine.sequence import MAX_LOGPROBS, FinishReason
+from disagg.engine.sequence import FinishReason
 from disagg.gateway.errors import bad_request, unsupported
-from disagg.gateway.openai_sampling import max_tokens_of, number, sampling_controls
+from disagg.gateway.openai_sampling import (
+    logprobs_fields,
+    max_tokens_of,
+    number,
+    sampling_controls,
+)
 from disagg.gateway.openai_structured import structured_output
 from disagg.gateway.tools import Hermes, Tools, parse_reply, parse_tools, render_messages
 
@@ -85,30 +90,6 @@ def _hints(body: JSON, inputs: dict[str, object]) -> None:
         if not isinstance(task_type, str) or len(task_type) > 128:
             raise bad_request("'task_type' must be a string of at most 128 characters", "task_type")
         inputs[C.TASK_TYPE] = task_type
-
-
-def _logprobs(body: JSON, kind: str, inputs: dict[str, object]) -> bool:
-    """Chat: `logprobs` (a boolean) and `top_logprobs` (alternatives, 0-20, only with
-    logprobs). Completions: `logprobs`, the number of alternatives (OpenAI allows 5; 20
-    here, as vLLM). Whether the reply carries logprobs."""
-    value = body.get("logprobs")
-    if kind == "chat":
-        if value is not None and not isinstance(value, bool):
-            raise bad_request("'logprobs' must be a boolean", "logprobs")
-        top = number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True)
-        if top is not None and not value:
-            raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-        on, alternatives = bool(value), int(top or 0)
-    else:
-        if body.get("top_logprobs") is not None:
-            raise unsupported("top_logprobs", "completions take the count as 'logprobs'")
-        top = number(body, "logprobs", 0, MAX_LOGPROBS, integer=True)
-        on, alternatives = top is not None, int(top or 0)
-    if on:
-        inputs[C.RETURN_LOG_PROBS] = True
-        if alternatives:
-            inputs[C.TOP_LOGPROBS] = alternatives
-    return on
 
 
 def _refuse_unsupported(body: JSON, kind: str) -> None:
@@ -200,7 +181,7 @@ def parse_request(body: object, kind: str, max_n: int = MAX_N) -> GenRequest:
     if ignore_eos:
         inputs[C.IGNORE_EOS] = True
     _prefix_cache(body, inputs)
-    logprobs = _logprobs(body, kind, inputs)
+    logprobs = logprobs_fields(body, kind, inputs)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")

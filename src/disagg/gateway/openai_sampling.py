@@ -1,5 +1,5 @@
-"""The sampling fields of an OpenAI body -> router inputs: OpenAI's penalties, logit_bias and
-max_completion_tokens, and vLLM's extensions `repetition_penalty`, `min_tokens`,
+"""The sampling fields of an OpenAI body -> router inputs: OpenAI's penalties, logit_bias,
+logprobs and max_completion_tokens, and vLLM's extensions `repetition_penalty`, `min_tokens`,
 `stop_token_ids`. Shapes and ranges are checked here (a 400 naming the field); token ids
 against the vocabulary downstream (SamplingParams.validate, also a 400)."""
 
@@ -9,7 +9,8 @@ import json
 from typing import Any
 
 from disagg import contracts as C
-from disagg.gateway.errors import bad_request
+from disagg.engine.sequence import MAX_LOGPROBS
+from disagg.gateway.errors import bad_request, unsupported
 
 INT32_MAX = 2**31 - 1
 JSON = dict[str, Any]
@@ -98,3 +99,27 @@ def max_tokens_of(body: JSON) -> float | None:
             "max_completion_tokens",
         )
     return new if new is not None else old
+
+
+def logprobs_fields(body: JSON, kind: str, inputs: dict[str, object]) -> bool:
+    """Chat: `logprobs` (a boolean) and `top_logprobs` (alternatives, 0-20, only with
+    logprobs). Completions: `logprobs`, the number of alternatives (OpenAI allows 5; 20
+    here, as vLLM). Whether the reply carries logprobs."""
+    value = body.get("logprobs")
+    if kind == "chat":
+        if value is not None and not isinstance(value, bool):
+            raise bad_request("'logprobs' must be a boolean", "logprobs")
+        top = number(body, "top_logprobs", 0, MAX_LOGPROBS, integer=True)
+        if top is not None and not value:
+            raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+        on, alternatives = bool(value), int(top or 0)
+    else:
+        if body.get("top_logprobs") is not None:
+            raise unsupported("top_logprobs", "completions take the count as 'logprobs'")
+        top = number(body, "logprobs", 0, MAX_LOGPROBS, integer=True)
+        on, alternatives = top is not None, int(top or 0)
+    if on:
+        inputs[C.RETURN_LOG_PROBS] = True
+        if alternatives:
+            inputs[C.TOP_LOGPROBS] = alternatives
+    return on

@@ -39,6 +39,7 @@ from disagg.routing.policy import (
     RouteFeatures,
     Target,
 )
+from disagg.tool_deltas import merge_tool_calls
 
 log = logging.getLogger("disagg.router")
 
@@ -276,17 +277,3 @@ class Router:
         if final is None:
             raise PoolError(f"{target.model} ended without a final response")
         return final
-
-
-def merge_tool_calls(calls: dict[int, dict[str, Any]], deltas: list[dict[str, Any]]) -> None:
-    """Add OpenAI tool-call deltas to the calls they belong to (by index): the id, type and
-    name as they first come, the arguments concatenated."""
-    for d in deltas:
-        call = calls.setdefault(
-            d["index"], {"index": d["index"], "id": "", "type": "function",
-                         "function": {"name": "", "arguments": ""}}
-        )  # fmt: skip
-        call["id"] = call["id"] or d.get("id") or ""
-        fn = d.get("function") or {}
-        call["function"]["name"] = call["function"]["name"] or fn.get("name") or ""
-        call["function"]["arguments"] += fn.get("arguments") or ""
