@@ -161,14 +161,13 @@ def _serving_decode_server(cluster) -> str:
     raise AssertionError("no decode server is decoding")
 
 
-def test_a_decode_server_frozen_mid_stream_moves_the_stream_to_the_other(cluster, llm):
-    """SIGSTOP, not SIGKILL (#27 item 4): a hung node never sends an error, and its TCP
-    connections stay open. The stream, silent for decode_hang_s after its tokens began, moves
-    to the other decode server: the client sees one stream, the greedy reply of an
-    undisturbed run; thawed, the frozen server serves again."""
-    prompt, n = "Write a long story about a castle.", 96
+def _stream_with_decode_fault(cluster, llm, prompt: str, sig: int):
+    """A greedy 96-token stream whose decode server gets `sig` after 12 deltas: (the reply,
+    its deltas, the gaps between them, the faulted server's name). The stream must be one
+    stream: no text repeated or missing, the greedy reply of an undisturbed run."""
+    n = 96
     (ref,) = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
-    deltas, frozen, gaps = [], [], []
+    deltas, faulted, gaps = [], [], []
     last = [time.monotonic()]
 
     def on_delta(d):
@@ -176,46 +175,40 @@ def test_a_decode_server_frozen_mid_stream_moves_the_stream_to_the_other(cluster
         gaps.append(now - last[0])
         last[0] = now
         deltas.append(d)
-        if len(deltas) == 12 and not frozen:
-            name = _serving_decode_server(cluster)
-            frozen.append(name)
-            os.killpg(cluster[name].proc.pid, signal.SIGSTOP)
+        if len(deltas) == 12 and not faulted:
+            faulted.append(_serving_decode_server(cluster))
+            os.killpg(cluster[faulted[0]].proc.pid, sig)
 
     body = {**chat(prompt, n), C.IGNORE_EOS: True}
     try:
         r = http(cluster).generate("router", body, stream=True, on_delta=on_delta)
     finally:
-        for name in frozen:
-            os.killpg(cluster[name].proc.pid, signal.SIGCONT)
-    assert frozen, "the stream ended before the fault"
+        if faulted and sig == signal.SIGSTOP:
+            os.killpg(cluster[faulted[0]].proc.pid, signal.SIGCONT)
+    assert faulted, "the stream ended before the fault"
     assert r.num_output_tokens == n and r.finish_reason == "length"
     assert "".join(deltas) == r.text == ref.text
+    return gaps, faulted[0]
+
+
+def test_a_decode_server_frozen_mid_stream_moves_the_stream_to_the_other(cluster, llm):
+    """SIGSTOP, not SIGKILL (#27 item 4): a hung node never sends an error, and its TCP
+    connections stay open. The stream, silent for decode_hang_s after its tokens began, moves
+    to the other decode server; thawed, the frozen server serves again."""
+    gaps, frozen = _stream_with_decode_fault(
+        cluster, llm, "Write a long story about a castle.", signal.SIGSTOP
+    )
     assert HANG_S <= max(gaps) < HANG_S + 30  # it waited out decode_hang_s, then moved on
-    cluster[frozen[0]].wait_ready(timeout_s=120)  # thawed, it answers again
+    cluster[frozen].wait_ready(timeout_s=120)  # thawed, it answers again
     again = http(cluster).generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 4})
     assert again.num_output_tokens == 4
 
 
 def test_a_decode_server_killed_mid_stream_moves_the_stream_to_the_other(cluster, llm):
-    """The client sees one stream: no text repeated or missing, and the greedy reply of an
-    undisturbed run."""
-    prompt, n = "Write a long story about a dragon.", 96
-    (ref,) = llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))
-    deltas, killed = [], []
-
-    def on_delta(d):
-        deltas.append(d)
-        if len(deltas) == 12 and not killed:
-            name = _serving_decode_server(cluster)
-            killed.append(name)
-            os.killpg(cluster[name].proc.pid, signal.SIGKILL)
-
-    body = {**chat(prompt, n), C.IGNORE_EOS: True}
-    r = http(cluster).generate("router", body, stream=True, on_delta=on_delta)
-    assert killed, "the stream ended before the fault"
-    cluster[killed[0]].proc.wait(timeout=30)
-    assert r.num_output_tokens == n and r.finish_reason == "length"
-    assert "".join(deltas) == r.text == ref.text
+    _, killed = _stream_with_decode_fault(
+        cluster, llm, "Write a long story about a dragon.", signal.SIGKILL
+    )
+    cluster[killed].proc.wait(timeout=30)
     # the survivor serves what comes next
     again = http(cluster).generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 4})
     assert again.num_output_tokens == 4
