@@ -23,6 +23,7 @@ from disagg.errors import (
     CapacityError,
     DisaggError,
     EngineDeadError,
+    KVPayloadError,
     KVPrefixMissError,
     PoolError,
     RequestError,
@@ -164,6 +165,8 @@ class ErrorKind(enum.StrEnum):
     INTERNAL = "internal"  # a bug, or Triton's own error
     # decode lacks the prefix a partial KV hand-off left out: hand the whole prompt off again
     PREFIX_MISS = "prefix_miss"
+    # the hand-off's payload could not be pulled or was damaged: decode prefills it instead
+    KV_TRANSFER = "kv_transfer"
 
 
 INVALID_REQUEST, UNAVAILABLE, INTERNAL, PREFIX_MISS = (
@@ -197,6 +200,8 @@ def error_kind_of(exc: BaseException) -> ErrorKind:
         return INVALID_REQUEST
     if isinstance(exc, KVPrefixMissError):  # (a PoolError: a caller that knows no better fails)
         return PREFIX_MISS
+    if isinstance(exc, KVPayloadError):  # (a PoolError too)
+        return ErrorKind.KV_TRANSFER
     if isinstance(exc, (CapacityError, PoolError, EngineDeadError)):
         return UNAVAILABLE
     return INTERNAL
@@ -209,6 +214,8 @@ def error_from_kind(kind: str, message: str, where: str) -> DisaggError:
         return RequestError(message)
     if kind == PREFIX_MISS:
         return KVPrefixMissError(f"{where}: {message}")
+    if kind == ErrorKind.KV_TRANSFER:
+        return KVPayloadError(f"{where}: {message}")
     return PoolError(f"{where}: {message}")
 
 

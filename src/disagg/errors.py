@@ -16,10 +16,6 @@ class RequestError(DisaggError, ValueError):
     """The request itself is wrong (bad input); retrying it unchanged cannot succeed."""
 
 
-class KVPayloadError(RequestError):
-    """A KV cache payload is for another model or layout, or is corrupted."""
-
-
 class CapacityError(DisaggError):
     """The engine is full right now; the same request may succeed later."""
 
@@ -30,6 +26,13 @@ class EngineDeadError(DisaggError):
 
 class PoolError(DisaggError):
     """A pool or pipeline failed, timed out or is unavailable; the request itself may be fine."""
+
+
+class KVPayloadError(PoolError):
+    """A KV hand-off failed: its payload could not be pulled (the lease expired, the prefill
+    server is gone or refused), arrived corrupted (CRC), or is for another model or layout.
+    Never the client's error (clients cannot send payloads): the orchestrator lets decode
+    prefill the prompt itself instead."""
 
 
 class KVPrefixMissError(PoolError):

@@ -70,7 +70,7 @@ REQUESTS = _m(
 ERRORS = _m(
     "disagg_errors_total",
     COUNTER,
-    "Failures by stage (request, prefill, decode) and kind",
+    "Failures by stage (request, prefill, decode, kv_handoff) and kind",
     ("model", "stage", "kind"),
 )
 QUEUE = _m(

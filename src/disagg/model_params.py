@@ -46,6 +46,7 @@ class PrefillParams(TrtllmPrefillParams):
     host: str
     advertise_host: str
     kv_port: int
+    kv_advertise_port: int
     kv_events_port: int  # its prefix cache's events for frontends (kvevents.py); 0: none
     kv_lease_mb: int
     prefix_cache_tokens: int

@@ -131,6 +131,7 @@ class ServeSettings:
     # one) when its own fails mid-stream
     migration_limit: int = 2
     kv_port: int = 0  # where a prefill server serves KV payloads (0: any free port)
+    kv_advertise_port: int = 0  # the port decode pulls at, behind a port forward (0: kv_port)
     kv_lease_s: float = 30.0  # a payload no decode server pulled is freed after this
     kv_lease_mb: int = 2048  # payload bytes one prefill process holds for pulling, at most
     advertise_host: str = ""  # the address other servers reach this one at ("": host)

@@ -198,6 +198,8 @@ def test_registry_splits_traffic_by_weight_and_pins_versions(tmp_path):
         ('[models.m]\nversions = [{ name = "v1", state = "canary", weight = 0.5 }]', "stable"),
         ('[models.m]\nversions = [{ name = "v1", state = "live" }]', "state must be"),
         ('[models.m]\nversions = [{ name = "v1", colour = "red" }]', "unknown keys"),
+        ('[models.m]\ntool_format = "llama9"\nversions = [{ name = "v1" }]', "tool_format"),
+        ('[models.m]\ntool_parser = "hermes"\nversions = [{ name = "v1" }]', "unknown keys"),
         ("", "no models"),
     ],
 )
@@ -249,3 +251,49 @@ def test_more_choices_than_decode_runs_at_once_are_refused_by_name():
     with pytest.raises(APIError) as e:
         parse_request(body, "chat", max_n=4)
     assert e.value.status == 400 and e.value.param == "n" and "4 sequences" in e.value.message
+
+
+def test_each_model_writes_tools_in_the_format_the_registry_names(tmp_path, monkeypatch):
+    from disagg.gateway import tools
+
+    class Angle:  # a made-up format: calls inside <<call>> ... <</call>>, read back whole
+        name, OPEN, CLOSE, HEAD = "angle", "<<call>>", "<</call>>", None
+
+        def system_text(self, t):
+            return "Tools: " + ", ".join(sorted(t.names))
+
+        def call_text(self, name, arguments):
+            return self.OPEN + json.dumps({"name": name, "arguments": arguments}) + self.CLOSE
+
+        def tool_result_text(self, content):
+            return "[result] " + content
+
+        def grammar(self, t):
+            return "start: /x/"
+
+    monkeypatch.setitem(tools.FORMATS, "angle", Angle())
+    path = tmp_path / "models.toml"
+    path.write_text('[models.a]\ntool_format = "angle"\nversions = [{ name = "v1" }]\n'
+                    '[models.h]\nversions = [{ name = "v1" }]\n')  # fmt: skip
+    reg = Registry(path)
+    assert reg.tool_format("a:v1").name == "angle" and reg.tool_format("h").name == "hermes"
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    body = {"model": "a", "tools": [weather], "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]}  # fmt: skip
+    req = parse_request(body, "chat", tool_format=reg.tool_format("a"))
+    rendered = json.loads(req.inputs[C.MESSAGES])
+    assert rendered[0]["content"] == "Tools: get_weather"
+    assert rendered[2]["content"] == '<<call>>{"name": "get_weather", "arguments": {}}<</call>>'
+    assert rendered[3] == {"role": "user", "content": "[result] sunny"}
+    reply = '<<call>>{"name": "get_weather", "arguments": {"city": "Oslo"}}<</call>>'
+    content, calls = tools.parse_reply(reply, req.tools)
+    assert content is None and calls[0].arguments == '{"city": "Oslo"}'
+    from disagg.gateway.tool_stream import ToolStream
+
+    stream = ToolStream(req.tools)
+    deltas = [d for ch in reply for d in stream.feed(ch)[1]]  # (no HEAD: each call whole)
+    assert [d["function"].get("name") for d in deltas] == ["get_weather", None]

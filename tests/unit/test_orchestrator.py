@@ -18,7 +18,7 @@ from disagg import contracts as C
 from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, FALLBACK, DecodeStep
 from disagg.engine.config import EngineConfig
 from disagg.engine.sequence import SamplingParams
-from disagg.errors import KVPrefixMissError, PoolError, RequestError
+from disagg.errors import KVPayloadError, KVPrefixMissError, PoolError, RequestError
 from disagg.pipeline.interfaces import OrchestratorEvents
 from disagg.pipeline.orchestrator import Orchestrator
 from disagg.pipeline.prefix_locality import PrefixLocality
@@ -455,3 +455,32 @@ def test_decode_on_another_server_gets_a_partial_hand_off_of_what_its_replica_ho
     decode.holds = 0
     o.run(req, lambda r: None)
     assert prefill.skips[-1] == 0
+
+
+class UnpullableDecode(ScriptedDecode):
+    """A decode pool whose pull of the hand-off fails (the lease expired, the bytes arrived
+    damaged): it refuses the request with the kind, before any token."""
+
+    def generate(self, request_id, params, *, handoff=None, prompt_ids=None):
+        if handoff is not None:
+            self.calls.append((handoff, prompt_ids))
+            raise KVPayloadError("decode: KV lease ab12 not held (expired after 30 s)")
+        yield from super().generate(request_id, params, handoff=handoff, prompt_ids=prompt_ids)
+
+
+def test_a_hand_off_that_cannot_be_pulled_is_prefilled_by_decode_not_refused(tokenizer, args):
+    """Not the client's error (it was a 400 before): decode prefills the prompt and the first
+    token already sent, and the stream goes on."""
+    ids = tokenizer.encode(" Hello world, how are you")
+    decode = UnpullableDecode(ids[1:])
+    o = orchestrator(tokenizer, args, ScriptedPrefill(ids[0]), decode)
+    deltas = []
+    final = o.run(request(tokenizer, max_tokens=len(ids)), lambda r: deltas.append(r.text))
+    (failed, _), (none, prompt_ids) = decode.calls
+    assert failed is not None and none is None  # the second try carries no hand-off
+    assert prompt_ids[-1] == ids[0]  # the prompt plus the first token already streamed
+    assert final.token_ids == ids and final.served_by == FALLBACK
+    assert "".join(deltas) + final.text == tokenizer.decode(ids)
+    kind, _ = C.split_error(C.tag_error(C.error_kind_of(KVPayloadError("x")), "x"))
+    assert kind is C.ErrorKind.KV_TRANSFER  # and it travels between models as its own kind
+    assert isinstance(C.error_from_kind(kind, "m", "decode"), KVPayloadError)

@@ -25,7 +25,14 @@ from disagg.gateway.openai_sampling import (
     sampling_controls,
 )
 from disagg.gateway.openai_structured import structured_output
-from disagg.gateway.tools import Hermes, Tools, parse_reply, parse_tools, render_messages
+from disagg.gateway.tools import (
+    HERMES,
+    ToolFormat,
+    Tools,
+    parse_reply,
+    parse_tools,
+    render_messages,
+)
 
 MAX_STOP = 4
 MAX_N = 16  # choices per request (OpenAI allows 128; each is a sequence in the decode batch)
@@ -102,7 +109,7 @@ def _refuse_unsupported(body: JSON, kind: str) -> None:
             raise unsupported("suffix")
 
 
-def _messages(body: JSON, tools: Tools | None) -> list[dict[str, str]]:
+def _messages(body: JSON, tools: Tools | None, fmt: ToolFormat) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty array", "messages")
@@ -115,7 +122,7 @@ def _messages(body: JSON, tools: Tools | None) -> list[dict[str, str]]:
         if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise bad_request(f"messages[{i}].content must be a string", "messages")
     plain = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
-    return render_messages(plain, tools)
+    return render_messages(plain, tools, fmt)
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -132,8 +139,11 @@ def _prompt(body: JSON) -> str:
     return prompt
 
 
-def parse_request(body: object, kind: str, max_n: int = MAX_N) -> GenRequest:
-    """`max_n`: the choices decode can run together (GatewayConfig.max_n)."""
+def parse_request(
+    body: object, kind: str, max_n: int = MAX_N, tool_format: ToolFormat = HERMES
+) -> GenRequest:
+    """`max_n`: the choices decode can run together (GatewayConfig.max_n); `tool_format`:
+    how the model writes tools (the registry's tool_format for it)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
@@ -143,8 +153,8 @@ def parse_request(body: object, kind: str, max_n: int = MAX_N) -> GenRequest:
     inputs: dict[str, object] = {C.EXCLUDE_INPUT_IN_OUTPUT: True}
     tools = None
     if kind == "chat":
-        tools = parse_tools(body)
-        inputs[C.MESSAGES] = json.dumps(_messages(body, tools))
+        tools = parse_tools(body, tool_format)
+        inputs[C.MESSAGES] = json.dumps(_messages(body, tools, tool_format))
         if tools is not None:  # an OpenAI endpoint serves them natively (docs/routing.md)
             native = {k: body.get(k) for k in ("messages", "tools", "tool_choice",
                                                "parallel_tool_calls")}  # fmt: skip
@@ -230,7 +240,7 @@ def _tool_inputs(tools: Tools, inputs: dict[str, object]) -> None:
                 "tool_choice",
             )
         inputs[C.GUIDED_DECODING_GUIDE_TYPE] = "lark"
-        inputs[C.GUIDED_DECODING_GUIDE] = Hermes.grammar(tools)
+        inputs[C.GUIDED_DECODING_GUIDE] = tools.fmt.grammar(tools)
     inputs.setdefault(C.TASK_TYPE, TOOL_TASK)
 
 

@@ -133,7 +133,8 @@ class OpenAIRoutes:
             call.key = self.authenticate(call.request)
             self.admit(call.key)
             body = await read_json(call.request, self.max_body_bytes)
-            req = call.req = oa.parse_request(body, call.api, self.max_n)
+            fmt = self.registry.tool_format(body.get("model") if isinstance(body, dict) else None)
+            req = call.req = oa.parse_request(body, call.api, self.max_n, fmt)
             model, version = self.registry.resolve(req.model)
             call.model = model.name
             req.inputs[C.MODEL] = model.name  # routing rules may match on it

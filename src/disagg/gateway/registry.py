@@ -6,6 +6,8 @@
       { name = "v2", triton_model = "router", state = "canary", weight = 0.1 },
     ]
 
+    tool_format = "hermes"                 # how it writes tool calls (gateway/tools.py FORMATS)
+
     [models."smollm2-old"]
     deprecated = "smollm2-135m-instruct"   # answered with an error naming the replacement
 
@@ -27,6 +29,7 @@ from typing import Any
 from disagg.errors import ConfigError
 from disagg.filewatch import FileWatch
 from disagg.gateway.errors import APIError
+from disagg.gateway.tools import FORMATS, ToolFormat
 
 STABLE, CANARY, DEPRECATED = "stable", "canary", "deprecated"
 STATES = (STABLE, CANARY, DEPRECATED)
@@ -46,6 +49,7 @@ class PublicModel:
     name: str
     versions: tuple[Version, ...] = ()
     deprecated: str = ""  # replacement model name
+    tool_format: str = "hermes"  # gateway/tools.py FORMATS: how its chat template takes tools
 
 
 def _version(model: str, raw: object) -> Version:
@@ -94,7 +98,16 @@ def parse_registry(data: dict[str, Any], source: str) -> dict[str, PublicModel]:
             if raw.get("deprecated"):
                 models[name] = PublicModel(name, deprecated=str(raw["deprecated"]))
                 continue
-            m = PublicModel(name, tuple(_version(name, v) for v in raw.get("versions", [])))
+            unknown = set(raw) - {"versions", "tool_format", "deprecated"}
+            if unknown:
+                raise ConfigError(f"model {name!r}: unknown keys {sorted(unknown)}")
+            fmt = raw.get("tool_format", "hermes")
+            if fmt not in FORMATS:
+                raise ConfigError(
+                    f"model {name!r}: tool_format must be one of {sorted(FORMATS)}, got {fmt!r}"
+                )
+            versions = tuple(_version(name, v) for v in raw.get("versions", []))
+            m = PublicModel(name, versions, tool_format=fmt)
             _check_model(m)
             models[name] = m
         if not models:
@@ -135,6 +148,14 @@ class Registry:
 
     def listed(self) -> list[PublicModel]:
         return [m for m in self.models.values() if not m.deprecated]
+
+    def tool_format(self, requested: object) -> ToolFormat:
+        """How the model a request names writes tools (Hermes for a name not served: the
+        request is refused by resolve() then)."""
+        name = requested.partition(":")[0] if isinstance(requested, str) else ""
+        with self.lock:
+            model = self.models.get(name)
+        return FORMATS[model.tool_format if model is not None else "hermes"]
 
     def resolve(self, requested: str) -> tuple[PublicModel, Version]:
         """The version serving a request for `requested` (`name` or `name:version`)."""

@@ -1,17 +1,13 @@
-"""A streamed reply split into content and OpenAI's tool-call deltas (tools.py's Hermes
-format): the streaming half of tools.py's parse_reply."""
+"""A streamed reply split into content and OpenAI's tool-call deltas (in the request's tool
+format: tools.py): the streaming half of tools.py's parse_reply."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-from disagg.gateway.tools import Hermes, ToolCall, Tools, parse_call
+from disagg.gateway.tools import ToolCall, Tools, parse_call
 
 JSON = dict[str, Any]
-
-# an open block whose name is known and whose arguments have begun: the name can go out
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 
 
 class ToolStream:
@@ -26,7 +22,7 @@ class ToolStream:
     grammar) ends there, its arguments incomplete."""
 
     def __init__(self, tools: Tools) -> None:
-        self.tools = tools
+        self.tools, self.fmt = tools, tools.fmt
         self.pending = ""  # held back: a possible beginning of a block, or an open block
         self.calls: list[ToolCall] = []
         self.in_block = False
@@ -40,9 +36,9 @@ class ToolStream:
         content, deltas = "", list[JSON]()
         while True:
             if not self.in_block:
-                at = self.pending.find(Hermes.OPEN)
+                at = self.pending.find(self.fmt.OPEN)
                 if at < 0:
-                    keep = _possible_start(self.pending, Hermes.OPEN)
+                    keep = _possible_start(self.pending, self.fmt.OPEN)
                     cut = len(self.pending) - keep
                     if not self.calls:  # text after a call is dropped, as parse_reply does
                         content += self.pending[:cut]
@@ -51,16 +47,16 @@ class ToolStream:
                 if not self.calls:
                     content += self.pending[:at]
                 self.pending, self.in_block = self.pending[at:], True
-            end = self.pending.find(Hermes.CLOSE)
+            end = self.pending.find(self.fmt.CLOSE)
             if end < 0:
                 deltas += self._open_block()
                 return content, deltas
             closed, was_call = self._close_block(end)
             deltas += closed
             if not was_call and not self.calls:  # not a call after all: it is text
-                content += self.pending[: end + len(Hermes.CLOSE)]
+                content += self.pending[: end + len(self.fmt.CLOSE)]
             self.head = None
-            self.pending, self.in_block = self.pending[end + len(Hermes.CLOSE) :], False
+            self.pending, self.in_block = self.pending[end + len(self.fmt.CLOSE) :], False
 
     def _open_block(self) -> list[JSON]:
         """Deltas of the open block so far: its head once the name is known, then the
@@ -68,14 +64,15 @@ class ToolStream:
         out: list[JSON] = []
         i = len(self.calls)
         if self.head is None:
-            m = _HEAD.match(self.pending, len(Hermes.OPEN))
+            pattern = self.fmt.HEAD
+            m = pattern.match(self.pending, len(self.fmt.OPEN)) if pattern else None
             if m is None or m.group(1) not in self.tools.names:
                 return out
             self.head, self.args_at, self.args_sent = ToolCall(m.group(1), ""), m.end(), 0
             head = self.head.as_json(i)
             out.append({**head, "function": {"name": self.head.name, "arguments": ""}})
         args = self.pending[self.args_at :]
-        keep = _possible_start(args, Hermes.CLOSE)
+        keep = _possible_start(args, self.fmt.CLOSE)
         ready = len(args[: len(args) - keep].rstrip(" \t\n}"))
         if ready > self.args_sent:
             out.append({"index": i, "function": {"arguments": args[self.args_sent : ready]}})
@@ -86,7 +83,7 @@ class ToolStream:
         """Deltas that complete the block closing at `end` (its call recorded), and whether
         it was a call (False: it is text)."""
         out: list[JSON] = []
-        call = parse_call(self.pending[len(Hermes.OPEN) : end], self.tools)
+        call = parse_call(self.pending[len(self.fmt.OPEN) : end], self.tools)
         if self.head is None:
             if call is not None:
                 i = len(self.calls)

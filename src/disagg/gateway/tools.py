@@ -16,9 +16,10 @@ tool parser reads and Qwen 2.5's and NousResearch's Hermes templates write.
   validate; `auto` leaves the model free and parses what it wrote (a block that does not
   parse stays text); `none` describes no tools.
 
-A model that brings its own format (Llama 3's, Qwen's) gets a class of its own beside
-`Hermes` in FORMATS, chosen per public model (registry `tool_format`), as vLLM's
-`--tool-call-parser` is chosen per deployment.
+The format is a per-model choice, as vLLM's `--tool-call-parser` is per deployment: the
+registry's `tool_format` for each public model names one of FORMATS (a ToolFormat; Hermes,
+the default, is the one so far). A model that brings its own (Llama 3's, Qwen's) gets a
+class beside Hermes and its name in the registry.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from disagg.gateway.errors import bad_request
 
@@ -37,22 +38,48 @@ NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function names
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+class ToolFormat(Protocol):
+    """How one model family writes tools, calls and results into text, and reads calls back.
+    A call is the text between OPEN and CLOSE; HEAD, where the format has one, matches an
+    open block's beginning up to its arguments (its group 1: the name), so that a stream's
+    arguments can go out as they are written (tool_stream.py); None: each call whole."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def OPEN(self) -> str: ...  # noqa: N802 (the formats' constants)
+    @property
+    def CLOSE(self) -> str: ...  # noqa: N802
+    @property
+    def HEAD(self) -> re.Pattern[str] | None: ...  # noqa: N802
+
+    def system_text(self, tools: Tools) -> str: ...
+
+    def call_text(self, name: str, arguments: object) -> str: ...
+
+    def tool_result_text(self, content: str) -> str: ...
+
+    def grammar(self, tools: Tools) -> str: ...
+
+
 @dataclass(frozen=True)
 class Tools:
-    """A request's tools, checked."""
+    """A request's tools, checked, and the format its model writes them in."""
 
     functions: tuple[JSON, ...]  # OpenAI's {"name", "description", "parameters"}
     choice: str = "auto"  # "auto" | "required" | "none" | "function"
     name: str = ""  # the named function, when choice is "function"
     parallel: bool = True
+    fmt: ToolFormat = field(default_factory=lambda: FORMATS["hermes"])
 
     @property
     def names(self) -> set[str]:
         return {f["name"] for f in self.functions}
 
 
-def parse_tools(body: JSON) -> Tools | None:
-    """`tools`, `tool_choice`, `parallel_tool_calls` -> Tools (None: no tools to offer)."""
+def parse_tools(body: JSON, fmt: ToolFormat | None = None) -> Tools | None:
+    """`tools`, `tool_choice`, `parallel_tool_calls` -> Tools in `fmt` (default Hermes; None:
+    no tools to offer)."""
     for old in ("functions", "function_call"):
         if body.get(old) is not None:
             raise bad_request(f"'{old}' is deprecated by OpenAI: send 'tools'", old)
@@ -85,7 +112,7 @@ def parse_tools(body: JSON) -> Tools | None:
         )
     if choice == "none":
         return None
-    return Tools(functions, choice, name, parallel)
+    return Tools(functions, choice, name, parallel, fmt or HERMES)
 
 
 def _function(i: int, tool: object) -> JSON:
@@ -116,6 +143,9 @@ def _function(i: int, tool: object) -> JSON:
 class Hermes:
     name = "hermes"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    HEAD: re.Pattern[str] | None = re.compile(
+        r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*(?=\{)'
+    )
 
     @staticmethod
     def system_text(tools: Tools) -> str:
@@ -160,28 +190,32 @@ class Hermes:
         return f'start: call ("\\n" call)*\ncall: {call}' if repeat else f"start: {call}"
 
 
-FORMATS = {Hermes.name: Hermes}
+HERMES = Hermes()
+FORMATS: dict[str, ToolFormat] = {Hermes.name: HERMES}
 
 
 # ------------------------------------------------------------------ messages in
 
 
-def render_messages(messages: list[JSON], tools: Tools | None) -> list[dict[str, str]]:
+def render_messages(
+    messages: list[JSON], tools: Tools | None, fmt: ToolFormat | None = None
+) -> list[dict[str, str]]:
     """OpenAI chat messages (tool calls and tool results included) -> plain ones for the chat
-    template, with the tools described in the system message."""
-    fmt = Hermes
+    template, in `fmt` (the tools', else Hermes), with the tools described in the system
+    message."""
+    form = fmt or (tools.fmt if tools is not None else HERMES)
     out: list[dict[str, str]] = []
     for i, m in enumerate(messages):
         role, content = m["role"], m.get("content")
         text = _text(i, content)
         if role == "assistant" and m.get("tool_calls"):
-            calls = [_call_text(i, c) for c in _list(i, m["tool_calls"])]
+            calls = [_call_text(i, c, form) for c in _list(i, m["tool_calls"])]
             text = "\n".join([text, *calls] if text else calls)
         elif role == "tool":  # a user turn, as Qwen 2.5's template writes it: any chat
-            role, text = "user", fmt.tool_result_text(text)  # endpoint takes it
+            role, text = "user", form.tool_result_text(text)  # endpoint takes it
         out.append({"role": role, "content": text})
     if tools is not None:
-        described = fmt.system_text(tools)
+        described = form.system_text(tools)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
         else:
@@ -207,7 +241,7 @@ def _list(i: int, value: object) -> list[Any]:
     return value
 
 
-def _call_text(i: int, call: object) -> str:
+def _call_text(i: int, call: object, fmt: ToolFormat) -> str:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise bad_request(f"messages[{i}].tool_calls: each needs function.name", "messages")
@@ -218,7 +252,7 @@ def _call_text(i: int, call: object) -> str:
         raise bad_request(
             f"messages[{i}].tool_calls: function.arguments is not JSON: {e}", "messages"
         ) from e
-    return Hermes.call_text(fn["name"], parsed)
+    return fmt.call_text(fn["name"], parsed)
 
 
 # ------------------------------------------------------------------ replies out
@@ -241,7 +275,7 @@ class ToolCall:
 def parse_reply(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
     """(content, calls). Blocks that do not parse, or name no given tool, leave the whole
     reply as text (never a call the client would choke on)."""
-    fmt = Hermes
+    fmt = tools.fmt
     start = text.find(fmt.OPEN)
     if start < 0:
         return text, []

@@ -35,7 +35,7 @@ from disagg.engine.config import EngineConfig, ModelArgs
 from disagg.engine.grammar import check_guide
 from disagg.engine.sequence import FinishReason, TokenLogprob, validate_request
 from disagg.engine.tokenizer import TextStream, Tokenizer
-from disagg.errors import KVPrefixMissError, PoolError
+from disagg.errors import KVPayloadError, KVPrefixMissError, PoolError
 from disagg.pipeline.conditional import CostModel, LoadTracker
 from disagg.pipeline.handoff import kv_path, skip_tokens
 from disagg.pipeline.interfaces import DecodePool, OrchestratorEvents, PrefillPool
@@ -186,6 +186,17 @@ class Orchestrator:
         """Decode; when decode lacks the prefix a partial hand-off left out, hand the whole
         prompt's K/V off and decode again (pipeline/handoff.py)."""
         try:
+            return self._decode(run)
+        except KVPayloadError as e:  # the hand-off failed: decode prefills the prompt itself
+            if run.handoff is None:
+                raise
+            log.warning("request %s: %s; decode prefills it", run.request.request_id, e)
+            self.events.error("kv_handoff", "transfer")
+            run.decode_pid, run.served_by = 0, FALLBACK
+            left = run.request.params.max_tokens - run.num_output_tokens
+            if left <= 0:
+                return FinishReason.LENGTH.value
+            self._continue_from_tokens(run, left)
             return self._decode(run)
         except KVPrefixMissError as e:
             if run.handoff is None or not run.handoff.kv_start:  # (a whole one cannot miss)

@@ -74,9 +74,9 @@ def grpc_status(e: InferenceServerException) -> grpc.StatusCode | None:
 
 
 def _unreachable(e: InferenceServerException) -> bool:
-    """The replica did not take the request. A model's prefix miss is its answer, whatever
-    status carries it (its error code is UNAVAILABLE): never a reason to eject it."""
-    if C.split_error(e.message() or str(e))[0] is C.PREFIX_MISS:
+    """The replica did not take the request. A model's prefix miss or failed KV pull is its
+    answer, whatever status carries it (UNAVAILABLE): never a reason to eject it."""
+    if C.split_error(e.message() or str(e))[0] in (C.PREFIX_MISS, C.ErrorKind.KV_TRANSFER):
         return False
     return grpc_status(e) in _UNREACHABLE
 

@@ -132,7 +132,7 @@ def error_code(exc: Exception) -> int:
     kind = C.error_kind_of(exc)
     if kind is C.ErrorKind.INVALID_REQUEST:
         return codes.INVALID_ARG
-    if kind in (C.ErrorKind.UNAVAILABLE, C.ErrorKind.PREFIX_MISS):
+    if kind in (C.ErrorKind.UNAVAILABLE, C.ErrorKind.PREFIX_MISS, C.ErrorKind.KV_TRANSFER):
         return codes.UNAVAILABLE
     return codes.INTERNAL
 

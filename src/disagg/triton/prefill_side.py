@@ -75,7 +75,10 @@ class KVLeaseServer:
         port = p.kv_port + index if p.kv_port else 0
         leases = KVLeases(p.kv_lease_mb << 20, p.kv_lease_s, on_change)
         server = KVServer(leases, C.internal_token(), p.host, port).start()
-        return cls(server, server.address(p.advertise_host or kvnet.advertise_host(p.host)))
+        host = p.advertise_host or kvnet.advertise_host(p.host)
+        if p.kv_advertise_port:
+            return cls(server, f"{host}:{p.kv_advertise_port + index}")
+        return cls(server, server.address(host))
 
     def lease(self, payload: Array) -> Array:
         handle = self.server.leases.put(payload)

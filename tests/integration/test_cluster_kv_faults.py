@@ -1,0 +1,110 @@
+"""KV bytes damaged between a prefill and a decode server (#27 item 4), on real tritonserver
+processes: a prefill server whose KV port is reached through a tampering proxy (its
+advertised port, kv_advertise_port, is the proxy's), a decode server and a frontend. A
+payload that fails its CRC is the hand-off's failure, not the client's: decode prefills the
+prompt itself and the request completes. Each test counts what every request got."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from helpers.tamper_proxy import TamperProxy
+from helpers.triton_server import metric, server_settings
+
+from disagg import contracts as C
+from disagg.client import GenerateError, HttpClient
+from disagg.contracts import TOKEN_ENV
+from disagg.engine.sequence import SamplingParams
+from disagg.serve.server import TritonServer, free_ports
+
+pytestmark = pytest.mark.integration
+PROMPTS = ["What is the capital of France?", "List three prime numbers.", "Say hello in French."]
+HUNG_S = 90
+
+
+@pytest.fixture(scope="module")
+def cluster(engine_dir, tmp_path_factory):
+    saved = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = "kv-faults-test-token-0123456789"
+    tmp = tmp_path_factory.mktemp("kv_faults")
+    (kv_port,) = free_ports(1)
+    proxy = TamperProxy(kv_port)
+    servers: dict[str, TritonServer] = {}
+    try:
+        prefill = server_settings(
+            engine_dir, tmp / "prefill", role="prefill", kv_port=kv_port,
+            kv_advertise_port=proxy.port,
+        )  # fmt: skip
+        servers["prefill"] = TritonServer(prefill, admin_key="k").start()
+        servers["decode"] = TritonServer(
+            server_settings(engine_dir, tmp / "decode", role="decode"), admin_key="k"
+        ).start()
+        for server in servers.values():
+            server.wait_ready(timeout_s=240)
+        front = server_settings(
+            engine_dir, tmp / "frontend", role="frontend",
+            prefill_replicas=servers["prefill"].endpoints.grpc,
+            decode_replicas=servers["decode"].endpoints.grpc,
+        )  # fmt: skip
+        servers["frontend"] = TritonServer(front, admin_key="k").start()
+        servers["frontend"].wait_ready(timeout_s=240)
+        yield servers, proxy
+    finally:
+        for server in servers.values():
+            server.stop()
+        proxy.close()
+        if saved is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = saved
+
+
+def generate(servers, prompt: str):
+    client = HttpClient(servers["frontend"].endpoints.http, timeout_s=HUNG_S)
+    body = {C.TEXT_INPUT: prompt, C.APPLY_CHAT_TEMPLATE: True, C.MAX_TOKENS: 24,
+            C.EXCLUDE_INPUT_IN_OUTPUT: True}  # fmt: skip
+    return client.generate("router", body)
+
+
+def test_kv_pulled_through_the_proxy_is_handed_off_intact(cluster, llm):
+    servers, proxy = cluster
+    (ref,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24))
+    r = generate(servers, PROMPTS[0])
+    assert r.extra[C.SERVED_BY] == "disaggregated" and r.text == ref.text
+    assert proxy.relayed >= 1  # decode pulled it at the advertised port
+
+
+def test_damaged_kv_bytes_cost_no_request(cluster, llm):
+    """Every request completes with its greedy reply, decode having prefilled it (before,
+    the CRC failure was the client's 400)."""
+    servers, proxy = cluster
+    proxy.corrupt.set()
+    got: dict[str, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            got[f"r{i}"] = generate(servers, PROMPTS[i])
+        except GenerateError as e:
+            got[f"r{i}"] = e
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(HUNG_S)
+    finally:
+        proxy.corrupt.clear()
+    counts = {"completed": 0, "error": 0, "hung": 0}
+    for i in range(3):
+        r = got.get(f"r{i}")
+        counts["hung" if r is None else "error" if isinstance(r, Exception) else "completed"] += 1
+    assert counts == {"completed": 3, "error": 0, "hung": 0}, got
+    assert proxy.damaged >= 3  # every hand-off arrived damaged
+    for i in range(3):
+        (ref,) = llm.generate([PROMPTS[i]], SamplingParams(max_tokens=24))
+        assert got[f"r{i}"].text == ref.text and got[f"r{i}"].extra[C.SERVED_BY] == "fallback"
+    errors = metric(servers["frontend"], "disagg_errors_total", stage="kv_handoff")
+    assert errors >= 3
