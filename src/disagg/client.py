@@ -4,6 +4,7 @@ its deltas, and the timings a user cares about (TTFT, tokens/s)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import queue
 import threading
@@ -98,26 +99,45 @@ class HttpClient:
         result, start = Result(), time.perf_counter()
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                if not stream:
-                    out = json.loads(resp.read())
-                    _absorb(result, out, start, on_delta)
-                    result.extra = out
-                for line in resp if stream else ():
-                    if not line.startswith(b"data:"):
-                        continue
-                    out = json.loads(line[5:])
-                    if C.ERROR in out and C.TEXT_OUTPUT not in out:  # Triton's error event
-                        raise GenerateError(out[C.ERROR])  # (the router's final has `error` too)
-                    _absorb(result, out, start, on_delta)
-                    result.extra = out
+                try:
+                    self._read(resp, stream, result, start, on_delta)
+                except TimeoutError:  # no answer in time: a hang, not a clear error
+                    raise
+                except (OSError, http.client.HTTPException) as e:  # broken mid-reply
+                    raise GenerateError(f"the server went away mid-reply: {e}") from None
         except urllib.error.HTTPError as e:
             try:
                 message = json.loads(e.read()).get("error", str(e))
             except ValueError:
                 message = str(e)
             raise GenerateError(message, e.code) from None
+        if stream and not result.finish_reason:  # our models' last response always has one
+            raise GenerateError(
+                "the stream ended without its final response (the server went away)"
+            )
         result.total_s = time.perf_counter() - start
         return result
+
+    @staticmethod
+    def _read(
+        resp: Any,
+        stream: bool,
+        result: Result,
+        start: float,
+        on_delta: Callable[[str], None] | None,
+    ) -> None:
+        if not stream:
+            out = json.loads(resp.read())
+            _absorb(result, out, start, on_delta)
+            result.extra = out
+        for line in resp if stream else ():
+            if not line.startswith(b"data:"):
+                continue
+            out = json.loads(line[5:])
+            if C.ERROR in out and C.TEXT_OUTPUT not in out:  # Triton's error event
+                raise GenerateError(out[C.ERROR])  # (the router's final has `error` too)
+            _absorb(result, out, start, on_delta)
+            result.extra = out
 
 
 def grpc_inputs(inputs: Mapping[str, Any]) -> list[InferInput]:
