@@ -484,3 +484,15 @@ def test_a_hand_off_that_cannot_be_pulled_is_prefilled_by_decode_not_refused(tok
     kind, _ = C.split_error(C.tag_error(C.error_kind_of(KVPayloadError("x")), "x"))
     assert kind is C.ErrorKind.KV_TRANSFER  # and it travels between models as its own kind
     assert isinstance(C.error_from_kind(kind, "m", "decode"), KVPayloadError)
+
+
+def test_a_logprob_of_minus_infinity_is_openais_minus_9999(tokenizer):
+    from disagg.engine.sequence import TokenLogprob
+    from disagg.pipeline.request import logprob_object
+
+    class Bytes:
+        def token_bytes(self, t):
+            return b"x"
+
+    obj = logprob_object(Bytes(), 5, TokenLogprob(float("-inf"), ((5, float("-inf")),)))
+    assert obj["logprob"] == -9999.0 and obj["top_logprobs"][0]["logprob"] == -9999.0

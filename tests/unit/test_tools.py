@@ -205,3 +205,44 @@ def test_an_endpoints_relayed_calls_make_the_reply_whole_and_streamed():
     chunks += stream.chunks(Piece("", 3, 2, "tool_calls"))
     assert chunks[0]["choices"][0]["delta"]["tool_calls"] == [call]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def feed_all(stream, text, size=1):
+    content, deltas = "", []
+    for i in range(0, len(text), size):
+        c, d = stream.feed(text[i : i + size])
+        content, deltas = content + c, deltas + d
+    return content + stream.finish(), deltas
+
+
+def test_a_close_tag_inside_a_json_string_does_not_end_the_block():
+    tools = parse_tools({"tools": [WEATHER]})
+    args = {"city": "say </tool_call> twice", "unit": "celsius"}
+    text = Hermes.call_text("get_weather", args)
+    content, calls = parse_reply(text, tools)
+    assert content is None and json.loads(calls[0].arguments) == args
+    content, deltas = feed_all(ToolStream(tools), text)
+    assert content == "" and json.loads("".join(d["function"]["arguments"] for d in deltas)) == args
+
+
+def test_a_call_cut_short_stays_one_call_and_nothing_is_sent_twice():
+    tools = parse_tools({"tools": [WEATHER, TIME]})
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    stream = ToolStream(tools)
+    content, deltas = feed_all(stream, cut)
+    assert content == "" and len(stream.calls) == 1  # a call: finish_reason tool_calls
+    assert deltas[0]["function"]["name"] == "get_weather"
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"city": "Par'
+    two = stream = ToolStream(tools)
+    text = cut + '"}}\n</tool_call>\n' + Hermes.call_text("get_time", {})
+    content, deltas = feed_all(two, text)
+    assert [d["index"] for d in deltas if "id" in d] == [0, 1]  # the next call, next index
+
+
+def test_argument_deltas_stop_where_the_arguments_value_ends():
+    tools = parse_tools({"tools": [WEATHER]})
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}, "id": 3}</tool_call>'
+    _, calls = parse_reply(text, tools)
+    _, deltas = feed_all(ToolStream(tools), text)
+    streamed = "".join(d["function"]["arguments"] for d in deltas)
+    assert streamed == calls[0].arguments == '{"city": "Oslo"}'

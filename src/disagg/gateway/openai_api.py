@@ -318,7 +318,8 @@ def whole_choice(
     if relayed:
         calls_json = [{k: v for k, v in c.items() if k != "index"} for c in relayed]
         message = {"role": "assistant", "content": text or None, "tool_calls": calls_json}
-        return {"index": index, "message": message, "logprobs": lp, "finish_reason": TOOL_CALLS}
+        reason = TOOL_CALLS if reason in ("stop", TOOL_CALLS) else reason  # (length stays)
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
     if req.tools is not None:
         content, calls = parse_reply(text, req.tools)
         if calls:

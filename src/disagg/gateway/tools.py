@@ -279,16 +279,32 @@ def parse_reply(text: str, tools: Tools) -> tuple[str | None, list[ToolCall]]:
     start = text.find(fmt.OPEN)
     if start < 0:
         return text, []
-    calls = []
-    for block in re.findall(re.escape(fmt.OPEN) + r"(.*?)" + re.escape(fmt.CLOSE), text, re.S):
-        call = parse_call(block, tools)
+    calls, at = [], start
+    while (at := text.find(fmt.OPEN, at)) >= 0:
+        end = block_end(text, at + len(fmt.OPEN), fmt)
+        call = None if end is None else parse_call(text[at + len(fmt.OPEN) : end], tools)
         if call is None:
             return text, []
         calls.append(call)
+        at = end + len(fmt.CLOSE)  # type: ignore[operator]  # (end is set: call is not None)
     if not calls:
         return text, []
     content = text[:start].strip()
     return content or None, calls
+
+
+def block_end(text: str, start: int, fmt: ToolFormat) -> int | None:
+    """Where the block whose body begins at `start` closes: the first CLOSE whose body before
+    it is a whole JSON value (a CLOSE inside one of its strings is text, as a grammar's %json
+    admits it); None while no CLOSE does."""
+    at = start
+    while (at := text.find(fmt.CLOSE, at)) >= 0:
+        try:
+            json.loads(text[start:at])
+            return at
+        except ValueError:
+            at += 1
+    return None
 
 
 def parse_call(block: str, tools: Tools) -> ToolCall | None:

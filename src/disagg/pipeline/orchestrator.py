@@ -354,13 +354,16 @@ class Orchestrator:
     def _add_tokens(
         self, run: RequestRun, tokens: list[int], logprobs: list[TokenLogprob] | None = None
     ) -> None:
-        """The text of `tokens` (EOS aside) and, when asked for, their logprobs."""
+        """The text of `tokens` (EOS aside) and, when asked for, their logprobs: every token
+        up to the one that completes a stop string (as vLLM's, the tokens of the stop string
+        itself included, though its text is cut)."""
         delta = ""
         for i, t in enumerate(tokens):
             run.token_ids.append(t)
             if t not in self.eos or run.request.params.ignore_eos:
+                stopped = run.text.stopped
                 delta += run.text.push(t)
-                if run.logprobs is not None and logprobs and not run.text.stopped:
+                if run.logprobs is not None and logprobs and not stopped:
                     run.logprobs.append(logprob_object(self.tokenizer, t, logprobs[i]))
         if run.request.stream and (delta or run.has_unsent):
             run.emit(run.delta(delta))

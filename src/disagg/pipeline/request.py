@@ -5,6 +5,7 @@ request's pieces as separate arguments."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -176,12 +177,18 @@ class RequestRun:
         )
 
 
+MIN_LOGPROB = (
+    -9999.0
+)  # what OpenAI answers for a token of (near) zero probability: JSON has no -inf
+
+
 def logprob_object(tokenizer: Tokenizer, token_id: int, lp: TokenLogprob) -> dict[str, Any]:
     """One output token's log-probabilities as OpenAI's chat completions give them."""
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
         raw = tokenizer.token_bytes(token)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+        value = max(logprob, MIN_LOGPROB) if math.isfinite(logprob) else MIN_LOGPROB
+        return {"token": raw.decode("utf-8", "replace"), "logprob": value, "bytes": list(raw)}
 
     top = [entry(t, v) for t, v in lp.top]
     return {**entry(token_id, lp.logprob), "top_logprobs": top}
