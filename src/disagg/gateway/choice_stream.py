@@ -33,15 +33,17 @@ class Whole:
 
 
 async def collect(pieces: AsyncIterator[Piece]) -> Whole:
-    text, last, logprobs, calls = "", None, None, None
+    text, last = "", None
+    logprobs: list[JSON] | None = None
+    calls: list[JSON] = []
     async for piece in pieces:
         text += piece.text
-        if piece.logprobs is not None:
-            logprobs = (logprobs or []) + piece.logprobs
-        if piece.tool_calls:
-            calls = (calls or []) + piece.tool_calls
+        if piece.logprobs is not None:  # (None until a piece carries some: not asked for)
+            logprobs = [] if logprobs is None else logprobs
+            logprobs.extend(piece.logprobs)
+        calls += piece.tool_calls or []
         last = piece
-    return Whole(text, last, logprobs, calls)
+    return Whole(text, last, logprobs, calls or None)
 
 
 class ChoiceStream:

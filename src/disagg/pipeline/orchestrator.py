@@ -193,11 +193,7 @@ class Orchestrator:
             log.warning("request %s: %s; decode prefills it", run.request.request_id, e)
             self.events.error("kv_handoff", "transfer")
             run.decode_pid, run.served_by = 0, FALLBACK
-            left = run.request.params.max_tokens - run.num_output_tokens
-            if left <= 0:
-                return FinishReason.LENGTH.value
-            self._continue_from_tokens(run, left)
-            return self._decode(run)
+            return self._decode_from_tokens(run)
         except KVPrefixMissError as e:
             if run.handoff is None or not run.handoff.kv_start:  # (a whole one cannot miss)
                 raise PoolError(str(e)) from e
@@ -209,11 +205,16 @@ class Orchestrator:
             except PoolError as pe:  # decode prefills it then, from the tokens already sent
                 log.warning("request %s: %s; decode prefills it", run.request.request_id, pe)
                 self.events.error("prefill", "pool")
-                left = run.request.params.max_tokens - run.num_output_tokens
-                if left <= 0:
-                    return FinishReason.LENGTH.value
-                self._continue_from_tokens(run, left)
+                return self._decode_from_tokens(run)
             return self._decode(run)
+
+    def _decode_from_tokens(self, run: RequestRun) -> str:
+        """Decode without a hand-off: it prefills the prompt and the tokens already sent."""
+        left = run.request.params.max_tokens - run.num_output_tokens
+        if left <= 0:
+            return FinishReason.LENGTH.value
+        self._continue_from_tokens(run, left)
+        return self._decode(run)
 
     def _prefill_whole(self, run: RequestRun, partial: Handoff) -> Handoff:
         """The prompt's whole K/V, continuing from the first token already sent (and with its

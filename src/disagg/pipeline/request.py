@@ -177,9 +177,8 @@ class RequestRun:
         )
 
 
-MIN_LOGPROB = (
-    -9999.0
-)  # what OpenAI answers for a token of (near) zero probability: JSON has no -inf
+# what OpenAI answers for a token of (near) zero probability: JSON has no -inf
+MIN_LOGPROB = -9999.0
 
 
 def logprob_object(tokenizer: Tokenizer, token_id: int, lp: TokenLogprob) -> dict[str, Any]:

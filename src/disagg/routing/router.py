@@ -39,7 +39,7 @@ from disagg.routing.policy import (
     RouteFeatures,
     Target,
 )
-from disagg.tool_deltas import merge_tool_calls
+from disagg.tool_deltas import merged
 
 log = logging.getLogger("disagg.router")
 
@@ -222,7 +222,7 @@ class Router:
         assert req.chat is not None
         out = RoutedReply("", req.features.prompt_tokens, served_by=ep.name)
         text, sent, usage = "", False, {}
-        calls: dict[int, dict[str, Any]] = {}  # the tool calls so far, by index (a whole reply)
+        calls: list[dict[str, Any]] = []  # the tool-call deltas so far (a whole reply's)
         events = ep.stream_chat(req.features.model, req.chat)
         try:
             for ev in events:
@@ -232,7 +232,7 @@ class Router:
                 if ev.text or ev.tool_calls:
                     text += ev.text
                     out.num_output_tokens += 1  # chunks until usage says otherwise
-                    merge_tool_calls(calls, ev.tool_calls)
+                    calls += ev.tool_calls
                     if req.stream:
                         delta = RoutedReply(ev.text, out.num_input_tokens, out.num_output_tokens)
                         delta.tool_calls = ev.tool_calls or None
@@ -254,7 +254,7 @@ class Router:
             out.text = ""
         else:
             out.text = text if req.exclude_input_in_output else req.prompt_text + text
-            out.tool_calls = [calls[i] for i in sorted(calls)] or None
+            out.tool_calls = merged(calls) or None
         return out
 
     def _serve_local(
