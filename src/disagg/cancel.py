@@ -71,6 +71,12 @@ class Throttled:
             self._cancelled = self.check()
         return self._cancelled
 
+    def now(self) -> bool:
+        """Asked now, whatever the interval: for the last look before an answer that would
+        be lost if the caller has gone."""
+        self._next = 0.0
+        return self()
+
 
 class CancelWatch:
     """Marks a request's id in `cancels` as soon as its own check says it was cancelled, even

@@ -112,6 +112,27 @@ def test_client_cancel_reaches_decode(tokenizer, args):
     assert final.finish_reason == "abort" and decode.cancelled == ["rid"]
 
 
+def test_a_hand_off_decode_never_took_is_released_when_the_client_goes(
+    tokenizer, args, monkeypatch
+):
+    # (the lease on a prefill server would otherwise wait for its TTL: a CI run saw 83 MB)
+    released = []
+    monkeypatch.setattr("disagg.pipeline.request.release", released.append)
+    ids = tokenizer.encode(" a b c")
+    decode = ScriptedDecode(ids[1:])
+
+    def gone(reply):
+        raise ConnectionError("the client went away")
+
+    o = orchestrator(tokenizer, args, ScriptedPrefill(ids[0]), decode)
+    with pytest.raises(ConnectionError):
+        o.run(request(tokenizer), emit=gone)  # sending the first token fails
+    assert len(released) == 1 and decode.calls == []
+    # once decode acknowledged it (it took the payload), nothing is left to release
+    final = o.run(request(tokenizer), lambda r: None, is_cancelled=lambda: bool(decode.calls))
+    assert final.finish_reason == "abort" and len(released) == 1
+
+
 def test_decode_stream_without_an_end_is_a_pool_error(tokenizer, args):
     o = orchestrator(tokenizer, args, ScriptedPrefill(5), ScriptedDecode([6], finish=None))
     with pytest.raises(PoolError, match="without a finish reason"):

@@ -79,6 +79,19 @@ def test_a_throttled_check_asks_at_most_once_an_interval_and_stays_true():
     assert t() and len(asked) == 2  # cancelled for good: not asked again
 
 
+def test_a_throttled_check_asked_now_ignores_the_interval():
+    answers, asked = iter([False, True]), []
+
+    def check() -> bool:
+        asked.append(1)
+        return next(answers)
+
+    t = Throttled(check, interval_s=3600)
+    assert not t() and not t() and len(asked) == 1
+    assert t.now() and len(asked) == 2  # the last look before an answer is a real one
+    assert t() and len(asked) == 2
+
+
 def test_the_watch_marks_a_cancelled_request_and_clears_its_mark_when_it_ends(tmp_path):
     cancels = CancelRegistry(tmp_path)
     watch = CancelWatch(cancels, poll_s=3600)  # polled by hand below

@@ -94,6 +94,13 @@ class TritonPythonModel:
                 payload = result.kv.pack(self._buffer(i, result.kv.packed_size()))
                 if self.kv is not None:
                     payload = self.kv.lease(payload)
+                    # a caller that left while the last layers ran or the payload was packed
+                    # (100+ ms for a long prompt) never gets this reply, nor the reference
+                    # in it: its lease would wait for the TTL (a CI failure showed 83 MB
+                    # held), so it is dropped here
+                    if cancelled.now():
+                        self.kv.drop(payload)
+                        raise RequestCancelledError(f"prefill of {rid}: the caller went away")
             return prefill_side.prefill_response(
                 result, payload, self.pid, compute_us, start_wall_ns, kv_start
             )

@@ -102,15 +102,13 @@ class Orchestrator:
         run.handoff = self._prefill(run)
         if run.is_cancelled():  # the client left during prefill: decode gets nothing
             return run.abandon()
-        if run.handoff is not None:
-            self._token_times(run)
-            first = run.handoff.first_logprob
-            self._add_tokens(run, [run.handoff.first_token], None if first is None else [first])
-        self.load.add_decode(1)
         try:
-            finish = self._decode_migrating(run)
-        finally:
-            self.load.add_decode(-1)
+            finish = self._first_and_decode(run)
+        except BaseException:
+            run.release_unclaimed()
+            raise
+        if finish == FinishReason.ABORT.value:
+            run.release_unclaimed()
         self.events.finished(run.served_by, finish, time.perf_counter() - req.arrival_s)
         if run.handoff is not None and run.handoff.kv_start:  # what decode took from its cache
             self.events.kv_handoff_skipped(
@@ -119,6 +117,18 @@ class Orchestrator:
         self._record_locality(run)
         self.events.cached_tokens(run.num_cached_tokens)
         return run.final_reply(finish)
+
+    def _first_and_decode(self, run: RequestRun) -> str:
+        """The first token (prefill's, when it was handed off), then decode's."""
+        if run.handoff is not None:
+            self._token_times(run)
+            first = run.handoff.first_logprob
+            self._add_tokens(run, [run.handoff.first_token], None if first is None else [first])
+        self.load.add_decode(1)
+        try:
+            return self._decode_migrating(run)
+        finally:
+            self.load.add_decode(-1)
 
     def _record_locality(self, run: RequestRun) -> None:
         """Where the request's blocks were left: decode keeps prompt and reply (handed off

@@ -144,10 +144,17 @@ class RequestRun:
     def abandon(self) -> Reply:
         """The client left before decode began: the hand-off is freed now (handoff.release)
         and the request ends as aborted, with nothing sent to decode."""
-        if self.handoff is not None:
-            release(self.handoff.kv_payload)
-            self.handoff = None
+        self.release_unclaimed()
+        self.handoff = None
         return self.final_reply(FinishReason.ABORT.value)
+
+    def release_unclaimed(self) -> None:
+        """Free a hand-off decode never acknowledged (the client left, or sending the first
+        token or reaching decode failed, between prefill's reply and decode's pull): a lease
+        on a prefill server would otherwise wait for its TTL. Decode acknowledges only after
+        taking the payload, so an acknowledged one is gone already."""
+        if self.handoff is not None and not self.decode_pid:
+            release(self.handoff.kv_payload)
 
     def final_reply(self, finish_reason: str) -> Reply:
         """The last response: the rest of the text while streaming, else the whole reply

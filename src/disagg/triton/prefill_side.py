@@ -85,6 +85,11 @@ class KVLeaseServer:
         ref = KVRef(self.advertise, handle, payload.nbytes)
         return np.frombuffer(ref.to_bytes(), np.uint8)
 
+    def drop(self, ref_payload: Array) -> bool:
+        """Free the lease that `ref_payload` (what `lease` returned) names."""
+        ref = KVRef.parse(np.ascontiguousarray(ref_payload, np.uint8).tobytes())
+        return ref is not None and self.server.leases.drop(ref.handle)
+
     def close(self) -> None:
         self.server.close()
 
