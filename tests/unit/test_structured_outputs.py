@@ -45,6 +45,33 @@ def test_openai_and_vllm_fields_map_to_one_guide(kind):
     assert kind_ == "lark" and lark == 'start: "yes" | "no \\"way\\""'
 
 
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "frobnicate"}},
+                }
+            },
+            "response_format",
+        ),  # fmt: skip
+        ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+        ({"guided_regex": "a{3,1}"}, "guided_regex"),
+        ({"guided_json": {"properties": {"a": {"$ref": "#/nowhere"}}}}, "guided_json"),
+        ({"guided_grammar": "root ::= foo"}, "guided_grammar"),  # (foo: no such rule)
+    ],
+)
+def test_a_guide_that_does_not_compile_is_a_400_naming_its_field(body, param):
+    from disagg.gateway.errors import APIError
+
+    with pytest.raises(APIError) as e:
+        guided(body)
+    assert e.value.status == 400 and e.value.param == param
+    assert "does not" in e.value.message  # (the library's reason follows)
+
+
 def test_request_checks_name_what_is_wrong():
     for params, words in (
         (SamplingParams(guide_type="yaml", guide="a"), "guided_decoding_guide_type"),
@@ -129,3 +156,13 @@ def test_json_guides_may_go_to_the_endpoint_grammars_stay_local():
         "json_schema": {"name": "response", "schema": SCHEMA, "strict": True},
     }
     assert response_format(GenerationFields.parse(fields("json", ""))) == {"type": "json_object"}
+
+
+def test_logprobs_stay_local_tool_grammars_may_go_to_the_endpoint():
+    base = {C.TEXT_INPUT: "x"}
+    assert local_only_fields(base, MSG) == ()
+    assert C.RETURN_LOG_PROBS in local_only_fields({**base, C.RETURN_LOG_PROBS: True}, MSG)
+    call = {**base, C.GUIDED_DECODING_GUIDE_TYPE: "lark", C.GUIDED_DECODING_GUIDE: 'start: "x"'}
+    assert C.GUIDED_DECODING_GUIDE_TYPE in local_only_fields(call, MSG)  # a grammar of its own
+    tools = json.dumps({"messages": MSG, "tools": []})  # the client's tools: the endpoint's
+    assert local_only_fields({**call, C.OPENAI_TOOLS: tools}, MSG) == ()  # tool_choice does it

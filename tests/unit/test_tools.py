@@ -94,6 +94,20 @@ def test_required_and_named_choices_decode_under_a_grammar():
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
         ({"tools": [{"type": "retrieval"}]}, "tools"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
+        (  # a schema no grammar can be made of, refused even under tool_choice auto
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "wat"}}},
+                        },
+                    }
+                ]
+            },
+            "tools",
+        ),  # fmt: skip
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),

@@ -82,6 +82,19 @@ def to_llguidance(guide_type: str, guide: str) -> str:
         raise RequestError(f"the {guide_type} guide does not parse: {_short(e)}") from e
 
 
+def check_syntax(guide_type: str, guide: str) -> None:
+    """Whether the guide is a valid grammar at all, no vocabulary needed (the gateway asks,
+    to name the field that carried it; the orchestrator still compiles it for the model).
+    Raises RequestError with the library's reason."""
+    import llguidance
+
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+        to_llguidance(guide_type, guide), None
+    )
+    if is_error:
+        raise RequestError(f"the {guide_type} guide does not compile: {_short(messages[0])}")
+
+
 def _short(e: object, limit: int = 300) -> str:
     text = str(e).strip().replace("\n", " ")
     return text if len(text) <= limit else text[:limit] + "..."

@@ -218,7 +218,10 @@ def parse_request(
 def _choices(body: JSON, max_n: int) -> int:
     """`n`: each choice is a sequence of its own in the decode batch, holding its own KV
     (prompt + max_tokens); choices beyond the sequences decode runs at once could not decode
-    together (the later ones would wait for the first to end), so they are refused."""
+    together (the later ones would wait for the first to end), so they are refused. This is
+    also the KV budget's rule: a decode instance holds decode_max_num_seqs x max_model_len
+    positions (EngineConfig.num_kv_blocks), and each choice's prompt + max_tokens is within
+    max_model_len (checked per choice by the orchestrator), so n choices that pass here fit."""
     n = int(number(body, "n", 1, MAX_N, integer=True) or 1)
     if n > max_n:
         raise bad_request(

@@ -4,8 +4,9 @@ OpenAI's `response_format` (`json_object`, `json_schema` with `strict`: disagg a
 enforces the schema), and for chat and completions alike vLLM's `structured_outputs`
 ({"json": schema, "regex": str, "grammar": GBNF/Lark, "choice": [str], "json_object":
 true}: exactly one) and its older spellings `guided_json`, `guided_regex`, `guided_grammar`,
-`guided_choice`. Shapes are checked here, a 400 naming the field; whether a guide compiles
-against the model's vocabulary is the orchestrator's (also a 400, with the library's reason).
+`guided_choice`. Shapes and grammar syntax are checked here, a 400 naming the field; whether
+a guide compiles against the model's vocabulary is the orchestrator's (also a 400, with the
+library's reason).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import json
 from typing import Any
 
 from disagg import contracts as C
+from disagg.engine.grammar import check_syntax
 from disagg.engine.sequence import MAX_GUIDE_CHARS
+from disagg.errors import RequestError
 from disagg.gateway.errors import bad_request
 
 JSON = dict[str, Any]
@@ -35,6 +38,10 @@ def structured_output(body: JSON, inputs: dict[str, object]) -> None:
         (guide_type, guide, field) = guides[0]
         if len(guide) > MAX_GUIDE_CHARS:
             raise bad_request(f"'{field}' is over {MAX_GUIDE_CHARS} characters", field)
+        try:
+            check_syntax(guide_type, guide)
+        except RequestError as e:
+            raise bad_request(f"'{field}': {e}", field) from e
         inputs[C.GUIDED_DECODING_GUIDE_TYPE] = guide_type
         if guide:
             inputs[C.GUIDED_DECODING_GUIDE] = guide

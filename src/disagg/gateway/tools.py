@@ -30,6 +30,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from disagg.engine.grammar import check_syntax
+from disagg.errors import RequestError
 from disagg.gateway.errors import bad_request
 
 JSON = dict[str, Any]
@@ -130,6 +132,10 @@ def _function(i: int, tool: object) -> JSON:
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
         raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    try:  # (tool_choice auto compiles no grammar: a broken schema is refused here all the same)
+        check_syntax("json_schema", json.dumps(params))
+    except RequestError as e:
+        raise bad_request(f"tools[{i}].function.parameters: {e}", "tools") from e
     description = fn.get("description", "")
     if not isinstance(description, str):
         raise bad_request(f"tools[{i}].function.description must be a string", "tools")
