@@ -62,7 +62,10 @@ def test_the_articles_example_policy_routes_as_the_article_says():
     cases = [
         (RouteFeatures("m", task_type="batch_offline", latency_sla_ms=50), "gpu_batch"),
         (RouteFeatures("m", latency_sla_ms=150, max_tokens=512), "lpu"),
-        (RouteFeatures("m", latency_sla_ms=150, max_tokens=4096), "shared"),
+        (RouteFeatures("m", latency_sla_ms=150, max_tokens=4096), "long_context"),
+        (RouteFeatures("m", latency_sla_ms=150, max_tokens=2048), "shared"),
+        (RouteFeatures("m", task_type="tool_call", latency_sla_ms=50), "long_context"),
+        (RouteFeatures("m", task_type="agent"), "long_context"),
         (RouteFeatures("m", messages=11), "long_context"),
         (RouteFeatures("m", messages=10), "shared"),
         (RouteFeatures("m", prompt_tokens=5000), "long_context"),
