@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import replace
 
 from disagg.serve.server import free_ports
 
@@ -124,3 +127,21 @@ def serve_env(engine_dir, build_dir, **settings) -> tuple[dict, dict]:
         **{f"DISAGG_{k.upper()}": str(v) for k, v in settings.items()},
     }
     return env, ports
+
+
+@contextlib.contextmanager
+def openai_client(server, key: str) -> Iterator:
+    """The official `openai` client of a gateway process in front of `server` (one key)."""
+    import openai
+
+    from disagg.serve.gateway_process import GatewayProcess
+
+    (port,) = free_ports(1)
+    gateway = GatewayProcess(
+        replace(server.settings, gateway_port=port), env={"DISAGG_API_KEYS": key}
+    ).start()
+    try:
+        gateway.wait_ready()
+        yield openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
+    finally:
+        gateway.stop()

@@ -4,18 +4,17 @@ tritonserver serving disaggregated (prefill samples the first token, decode the 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import openai
 import pydantic
 import pytest
-from helpers.triton_server import metric, start_server
+from helpers.triton_server import metric, openai_client, start_server
 
 from disagg.engine.tokenizer import Tokenizer
-from disagg.serve.gateway_process import GatewayProcess
-from disagg.serve.server import free_ports
 
 pytestmark = pytest.mark.integration
 KEY = "sk-test-sampling"
@@ -32,15 +31,8 @@ def server(engine_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    (port,) = free_ports(1)
-    gateway = GatewayProcess(
-        replace(server.settings, gateway_port=port), env={"DISAGG_API_KEYS": KEY}
-    ).start()
-    try:
-        gateway.wait_ready()
-        yield openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
-    finally:
-        gateway.stop()
+    with openai_client(server, KEY) as client:
+        yield client
 
 
 def chat(client, **kw):
@@ -161,10 +153,16 @@ def test_parse_returns_a_valid_object_for_twenty_schemas(client):
 
 def test_guides_that_do_not_compile_get_400_naming_the_reason(client):
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/x"}}}
-    with pytest.raises(openai.BadRequestError, match="does not compile"):
+    with pytest.raises(openai.BadRequestError, match="does not compile") as e:
         chat(client, response_format=bad_schema)
-    with pytest.raises(openai.BadRequestError, match="does not compile"):
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError, match="does not compile") as e:
         chat(client, extra_body={"guided_regex": "(unclosed"})
+    assert e.value.body["param"] == "guided_regex"
+    broken = {**WEATHER_TOOL["function"], "parameters": {"type": "object", "minProperties": "x"}}
+    with pytest.raises(openai.BadRequestError) as e:  # even under auto, which needs no grammar
+        chat(client, tools=[{"type": "function", "function": broken}])
+    assert e.value.body["param"] == "tools"
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, response_format={"type": "yaml"})
     assert e.value.body["param"] == "response_format"
@@ -229,33 +227,70 @@ def test_tool_calls_whole_streamed_and_answered(client):
     )
     message = answer.choices[0].message
     assert message.content or message.tool_calls  # auto: text or a call that parsed
+    # the loop's last turn: with the tools still offered but none to call, the model
+    # answers in text, whole and streamed alike (greedy: the same text)
+    final = client.chat.completions.create(
+        model=MODEL, messages=history, tools=tools, tool_choice="none", max_tokens=40
+    ).choices[0]
+    assert final.message.content and not final.message.tool_calls
+    assert final.finish_reason in ("stop", "length")
+    pieces = client.chat.completions.create(
+        model=MODEL, messages=history, tools=tools, tool_choice="none", max_tokens=40,
+        stream=True,
+    )  # fmt: skip
+    chunks = [c for c in pieces if c.choices]
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == final.message.content
 
 
 def test_n_choices_whole_and_streamed_share_one_prefill(client, server):
-    """n=3 sampled with a seed: three indexed choices, reproducible, counted once for the
-    prompt; streamed, each index's deltas make the same texts; the later choices found the
-    prompt in the prefix cache (the request_cached_tokens histogram grew by ~2 prompts)."""
-    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 12, "n": 3}
+    """n=4 sampled with a seed: four indexed choices, all different, reproducible, counted
+    once for the prompt; streamed, each index's deltas make the same texts; the later
+    choices found the prompt in the prefix cache (the request_cached_tokens histogram grew
+    by ~3 prompts: each computed only the prompt's last partial block, as vLLM v1's n fans
+    out to child requests over its prefix cache)."""
+    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 12, "n": 4}
     sampled["extra_body"] = {"ignore_eos": True}
     fresh = [{"role": "user", "content": "Name three colours of the rainbow, then stop."}]
     before = metric(server, "disagg_request_cached_tokens_sum")
     whole = client.chat.completions.create(model=MODEL, messages=fresh, **sampled)
-    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
     texts = [c.message.content for c in whole.choices]
-    assert len(set(texts)) > 1  # seed + i: the choices differ
-    assert whole.usage.completion_tokens == 12 * 3
+    assert len(set(texts)) == 4, texts  # seed + i: the choices differ
+    assert whole.usage.completion_tokens == 12 * 4
     prompt = whole.usage.prompt_tokens
     cached = metric(server, "disagg_request_cached_tokens_sum") - before
-    assert cached >= 2 * (prompt - 16), (cached, prompt)  # all but the last partial block
+    assert cached >= 3 * (prompt - 16), (cached, prompt)  # all but the last partial block
+    again = client.chat.completions.create(model=MODEL, messages=fresh, **sampled)
+    assert [c.message.content for c in again.choices] == texts  # reproducible
     stream = client.chat.completions.create(model=MODEL, messages=fresh, stream=True, **sampled)
-    streamed = ["", "", ""]
+    streamed = ["", "", "", ""]
     finished = set()
     for chunk in stream:
         for c in chunk.choices:
             streamed[c.index] += c.delta.content or ""
             if c.finish_reason:
                 finished.add(c.index)
-    assert streamed == texts and finished == {0, 1, 2}
+    assert streamed == texts and finished == {0, 1, 2, 3}
+
+
+def test_a_greedy_reply_is_unchanged_beside_penalised_and_guided_neighbours(client):
+    """Batch invariance through the server: the same greedy request alone, then decoded in
+    one batch with a penalised, a logit-biased and a JSON-guided neighbour (started first,
+    longer, so they are running while it decodes), gives the same tokens."""
+    greedy = {"max_tokens": 24, "extra_body": {"ignore_eos": True}}
+    alone = chat(client, **greedy).choices[0].message.content
+    neighbours = [
+        {"frequency_penalty": 1.5, "presence_penalty": 1.0, "max_tokens": 64},
+        {"logit_bias": {"13": 5.0}, "temperature": 0.8, "seed": 1, "max_tokens": 64},
+        {"response_format": {"type": "json_object"}, "max_tokens": 64},
+    ]
+    with ThreadPoolExecutor(len(neighbours) + 1) as pool:
+        running = [pool.submit(chat, client, **n) for n in neighbours]
+        time.sleep(0.5)
+        beside = pool.submit(chat, client, **greedy)
+        assert beside.result().choices[0].message.content == alone
+        assert all(r.result().choices[0].message.content is not None for r in running)
 
 
 def test_logprobs_through_every_door(client, server):
