@@ -119,3 +119,39 @@ def test_a_guide_that_does_not_compile_is_a_request_error(llm, engines, guide_ty
     with pytest.raises(RequestError, match=words):
         decode.add_request("x", params, prompt_ids=chat_ids(llm, "hi"))
     assert not decode.has_unfinished
+
+
+def test_a_grammar_that_reaches_a_dead_end_ends_the_request_with_grammar_error(
+    llm, engines, monkeypatch
+):
+    """llguidance's own grammars end rather than dead-end (a lexeme's token limit allows EOS),
+    so the dead end is forced: the real guide allows nothing from the fourth token on. The
+    request ends with grammar_error after the tokens the grammar allowed and EOS, and a
+    neighbour decoding beside it is untouched."""
+    from disagg.engine.grammar import Guide
+
+    allowed = Guide.allowed
+
+    def until_three(self, tokens, vocab_size):
+        return None if len(tokens) >= 3 else allowed(self, tokens, vocab_size)
+
+    decode = engines[1]
+    plain = SamplingParams(max_tokens=8, ignore_eos=True)
+    alone, _ = run(decode, "alone", plain, prompt_ids=chat_ids(llm, "Say hi."))
+    monkeypatch.setattr(Guide, "allowed", until_three)
+    params = SamplingParams(max_tokens=40, guide_type="json")
+    decode.add_request("dead", params, prompt_ids=chat_ids(llm, ASK))
+    decode.add_request("beside", plain, prompt_ids=chat_ids(llm, "Say hi."))
+    got: dict[str, list[int]] = {"dead": [], "beside": []}
+    reasons = {}
+    while decode.has_unfinished:
+        for o in decode.step():
+            if o.token_id is not None:
+                got[o.request_id].append(o.token_id)
+            if o.finish_reason:
+                reasons[o.request_id] = o.finish_reason
+    # three allowed tokens, then the end-of-sequence token (no text), never a refused one
+    assert reasons["dead"] == FinishReason.GRAMMAR and len(got["dead"]) == 4
+    assert got["dead"][3] == llm.tokenizer.eos_token_id
+    assert llm.tokenizer.decode(got["dead"][:3]).startswith("{")  # what the grammar allowed
+    assert got["beside"] == alone and reasons["beside"] == FinishReason.LENGTH
