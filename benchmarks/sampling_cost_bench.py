@@ -84,8 +84,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(result["batches"]), figsize=(10, 3.6))
-    for ax, batch in zip(axes, result["batches"], strict=True):
+    fig, axes = plt.subplots(1, len(result["batches"]), figsize=(10, 3.6), squeeze=False)
+    for ax, batch in zip(axes[0], result["batches"], strict=True):
         row = result["ms"][str(batch)]
         names = list(row)
         ax.bar(names, [row[n] for n in names], color=["#888"] + ["#3a7"] * (len(names) - 1))
