@@ -41,6 +41,7 @@ class PrefillParams(TrtllmPrefillParams):
     device: str
     max_tokens_limit: int
     prefill_torch_threads: int
+    prefill_nice: int  # this process's CPU niceness (0: as started)
     # payloads leased for decode servers elsewhere to pull (triton/pools.py KVLeaseServer)
     kv_pull: bool
     host: str

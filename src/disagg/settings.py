@@ -97,6 +97,7 @@ class ServeSettings:
     # (NVIDIA GPUs; see docs/gpu.md and build_engines/build_trtllm_engine.py)
     engine_backend: str = "pytorch"
     prefill_torch_threads: int = 0  # 0: torch's default (all cores)
+    prefill_nice: int = 0  # prefill processes' niceness 0-19: yield shared cores to decode
     decode_torch_threads: int = 0
     prefill_timeout_s: float = 60.0  # then the request falls back to decode's own prefill
     # a request whose decode failed waits this long for a decode to take it again (another
@@ -214,8 +215,8 @@ class ServeSettings:
             raise ConfigError(
                 f"setting replica_choice must be cache_aware or load, got {self.replica_choice!r}"
             )
-        if self.conditional_remote_stall > 1:
-            raise ConfigError("setting conditional_remote_stall must be between 0 and 1")
+        if self.conditional_remote_stall > 1 or not 0 <= self.prefill_nice <= 19:
+            raise ConfigError("need conditional_remote_stall in 0..1 and prefill_nice in 0..19")
         if self.mode not in ("auto", *MODES):
             raise ConfigError(f"setting mode must be auto or one of {MODES}, got {self.mode!r}")
         if not 1 <= self.max_tokens_default <= self.max_tokens_limit < self.max_model_len:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -367,3 +368,30 @@ def test_a_restarted_decode_does_not_report_the_dead_ones_sequences(t):
     t.pb_metrics.DecodeMetrics("decode", "decode_0")  # the restarted process, no step yet
     t.pb_metrics.close_metrics()
     assert t.u.MetricFamily.registry[series].value == 0
+
+
+def test_set_nice_lowers_every_thread_and_the_threads_made_after(tmp_path):
+    """Niceness is per thread on Linux: a thread started before the call is set too, and
+    one started after inherits it (torch's pool is made after). In a child process, so this
+    test's own priority is untouched."""
+    script = f"""
+import os, sys, threading
+sys.path.insert(0, {str(FAKES)!r})
+from disagg.triton import pb
+ready, stop = threading.Event(), threading.Event()
+before = threading.Thread(target=lambda: (ready.set(), stop.wait()))
+before.start(); ready.wait()
+pb.set_nice(7)
+seen = {{}}
+after = threading.Thread(target=lambda: seen.update(n=os.getpriority(os.PRIO_PROCESS, 0)))
+after.start(); after.join()
+print(os.getpriority(os.PRIO_PROCESS, before.native_id), seen["n"])
+stop.set()
+"""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert os.getpriority(os.PRIO_PROCESS, 0) <= 7  # (the test starts from a higher priority)
+    assert out.stdout.split() == ["7", "7"], out

@@ -33,6 +33,7 @@ class TritonPythonModel:
 
             self.trtllm = prefill_engine(p)
             return
+        pb.set_nice(p.prefill_nice)  # before torch makes its threads (they inherit it)
         pb.set_torch_threads(p.prefill_torch_threads)
         self.engine = PrefillEngine(
             Llama.load(p.engine_dir, p.compute_dtype, p.device, p.weights),

@@ -43,6 +43,19 @@ def set_torch_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def set_nice(nice: int) -> None:
+    """Lower this process's CPU priority to `nice` (0: leave it). On Linux niceness is
+    per thread: every thread the stub has is set, and the threads made later (torch's
+    OpenMP pool, on the first parallel region) inherit it from the thread that makes them."""
+    if nice <= 0:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except (ProcessLookupError, PermissionError):  # (a thread that ended meanwhile)
+            continue
+
+
 def is_decoupled(args: dict[str, str]) -> bool:
     return pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
 
