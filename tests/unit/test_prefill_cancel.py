@@ -278,7 +278,8 @@ def trt(monkeypatch):
 
 
 def test_a_tensorrt_llm_context_request_is_aborted_when_its_client_leaves(trt):
-    from disagg.trtllm.engines import TrtllmApi, TrtllmPrefillEngine
+    from disagg.trtllm.engines import TrtllmPrefillEngine
+    from disagg.trtllm.sampling import TrtllmApi
 
     llm = trt.LLM("ckpt")
     engine = TrtllmPrefillEngine(llm, TrtllmApi.load(), max_prompt_tokens=64)

@@ -18,7 +18,8 @@ from disagg.engine.sequence import FinishReason, SamplingParams
 from disagg.errors import CapacityError, KVPayloadError, RequestError
 from disagg.pipeline.decode_service import DecodeService
 from disagg.trtllm import payload
-from disagg.trtllm.engines import TrtllmApi, TrtllmDecodeEngine, TrtllmPrefillEngine
+from disagg.trtllm.engines import TrtllmDecodeEngine, TrtllmPrefillEngine
+from disagg.trtllm.sampling import TrtllmApi
 
 pytestmark = pytest.mark.unit
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
@@ -174,7 +175,7 @@ def test_decode_service_drives_the_tensorrt_llm_engine_unchanged(trt):
 
 def test_greedy_is_top_k_1_and_sampling_keeps_its_parameters(trt):
     """TensorRT-LLM 1.0 decides greedy from top_k/top_p only: temperature=0 would sample."""
-    from disagg.trtllm.engines import trt_sampling
+    from disagg.trtllm.sampling import trt_sampling
 
     api = TrtllmApi.load()
     greedy = trt_sampling(api, SamplingParams(temperature=0.0, top_p=0.9), seed=1)
@@ -185,7 +186,7 @@ def test_greedy_is_top_k_1_and_sampling_keeps_its_parameters(trt):
 
 
 def test_bad_words_go_down_as_single_tokens_or_are_refused(trt):
-    from disagg.trtllm.engines import trt_sampling
+    from disagg.trtllm.sampling import trt_sampling
 
     api = TrtllmApi.load()
     sp = trt_sampling(api, SamplingParams(bad_words_ids=((5,), (9,))), seed=1)
@@ -198,7 +199,7 @@ def test_bad_words_go_down_as_single_tokens_or_are_refused(trt):
 
 
 def test_penalties_and_min_tokens_go_down_by_their_names(trt):
-    from disagg.trtllm.engines import trt_sampling
+    from disagg.trtllm.sampling import trt_sampling
 
     api = TrtllmApi.load()
     params = SamplingParams(
@@ -217,7 +218,7 @@ def test_penalties_and_min_tokens_go_down_by_their_names(trt):
 
 def test_guides_go_down_as_guided_decoding_params_where_the_pool_has_a_backend(trt):
     """Checked against the double of 1.0's GuidedDecodingParams (one guide per request)."""
-    from disagg.trtllm.engines import trt_sampling
+    from disagg.trtllm.sampling import trt_sampling
 
     api = TrtllmApi.load()
     schema = '{"type": "object"}'
@@ -236,12 +237,35 @@ def test_guides_go_down_as_guided_decoding_params_where_the_pool_has_a_backend(t
     )
     for params, words in (
         (SamplingParams(guide_type="json"), "needs guided_decoding_backend"),  # no backend
-        (SamplingParams(guide_type="lark", guide="start: 'a'"), "not supported"),
+        (SamplingParams(guide_type="yaml", guide="a"), "not supported"),
         (SamplingParams(guide_type="json", guide_tokens=(1,)), "cannot be continued"),
     ):
         backend = None if "backend" in words else "llguidance"
         with pytest.raises(RequestError, match=words):
             trt_sampling(api, params, seed=1, guided_backend=backend)
+
+
+def test_grammars_reach_each_backend_in_the_syntax_it_reads(trt):
+    """1.0's llguidance matcher reads `grammar` as Lark (grammar_from_lark), xgrammar as
+    EBNF: a GBNF grammar is converted for llguidance, a Lark one (a required tool call's)
+    passes to llguidance as it is and is refused under xgrammar, naming the way out."""
+    import llguidance
+
+    from disagg.trtllm.sampling import trt_sampling
+
+    api = TrtllmApi.load()
+    gbnf = SamplingParams(guide_type="ebnf_grammar", guide='root ::= "x" | "yz"')
+    lark = SamplingParams(guide_type="lark", guide='start: "<tool_call>" %json{"type": "object"}')
+    to_ll = trt_sampling(api, gbnf, seed=1, guided_backend="llguidance").guided_decoding.grammar
+    assert to_ll != gbnf.guide and "::=" not in to_ll
+    ok, _ = llguidance.LLMatcher.validate_grammar_with_warnings(
+        llguidance.LLMatcher.grammar_from_lark(to_ll), None
+    )
+    assert not ok  # (is_error False: upstream's grammar_from_lark takes what we send)
+    sent = trt_sampling(api, lark, seed=1, guided_backend="llguidance").guided_decoding
+    assert sent.grammar == lark.guide
+    with pytest.raises(RequestError, match="guided_decoding_backend llguidance"):
+        trt_sampling(api, lark, seed=1, guided_backend="xgrammar")
 
 
 def test_prefill_draws_no_progress_bar(trt):

@@ -18,8 +18,9 @@ from pathlib import Path
 from disagg.errors import ConfigError
 from disagg.model_params import TrtllmDecodeParams, TrtllmPrefillParams
 from disagg.trtllm import gpus
-from disagg.trtllm.engines import TrtllmApi, TrtllmDecodeEngine, TrtllmPrefillEngine
+from disagg.trtllm.engines import TrtllmDecodeEngine, TrtllmPrefillEngine
 from disagg.trtllm.kv_events import RequestFeatures
+from disagg.trtllm.sampling import TrtllmApi
 
 if typing.TYPE_CHECKING:
     from tensorrt_llm import LLM
