@@ -126,6 +126,20 @@ def test_bad_tools_are_refused_by_name(body, param):
         parse_request({"model": "m", "messages": MSG, "tool_choice": "required"}, "chat")
 
 
+def test_tool_schemas_are_checked_strictly_only_where_a_call_must_come():
+    """A keyword llguidance does not implement passes under auto (no grammar is built from
+    it), and is a 400 naming `tools` when the call is required (its grammar would be)."""
+    unique = {"type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": unique}}
+    assert request(tools=[tool]).tools is not None
+    with pytest.raises(APIError) as e:
+        request(tools=[tool], tool_choice="required")
+    assert e.value.status == 400 and e.value.param == "tools" and "uniqueItems" in e.value.message
+    huge = {"type": "object", "description": "x" * 70000}
+    with pytest.raises(APIError, match="characters"):
+        request(tools=[{"type": "function", "function": {"name": "g", "parameters": huge}}])
+
+
 def test_a_reply_with_calls_becomes_tool_calls():
     tools = parse_tools({"tools": [WEATHER, TIME]})
     text = (

@@ -85,14 +85,35 @@ def to_llguidance(guide_type: str, guide: str) -> str:
 def check_syntax(guide_type: str, guide: str) -> None:
     """Whether the guide is a valid grammar at all, no vocabulary needed (the gateway asks,
     to name the field that carried it; the orchestrator still compiles it for the model).
-    Raises RequestError with the library's reason."""
-    import llguidance
+    Raises RequestError with the library's reason; a process without llguidance (an image
+    that serves no guides) skips the check and leaves it to the orchestrator."""
+    try:
+        import llguidance
+    except ImportError:
+        return
+    _validate(llguidance, to_llguidance(guide_type, guide), guide_type)
 
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-        to_llguidance(guide_type, guide), None
-    )
+
+def check_schema(schema: dict[str, Any], lenient: bool) -> None:
+    """Whether a JSON schema (a tool's parameters) compiles; `lenient`: keywords llguidance
+    does not implement (uniqueItems, not, unknown formats) are ignored, as they are where
+    no grammar is built from it, and only a malformed schema is refused."""
+    try:
+        import llguidance
+    except ImportError:
+        return
+    try:
+        options = {**JSON_OPTIONS, "lenient": lenient}
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
+    except Exception as e:  # noqa: BLE001 - the library's errors name what is wrong
+        raise RequestError(f"the JSON schema does not parse: {_short(e)}") from e
+    _validate(llguidance, str(grammar), "JSON schema")
+
+
+def _validate(llguidance: Any, grammar: str, what: str) -> None:
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
     if is_error:
-        raise RequestError(f"the {guide_type} guide does not compile: {_short(messages[0])}")
+        raise RequestError(f"the {what} guide does not compile: {_short(messages[0])}")
 
 
 def _short(e: object, limit: int = 300) -> str:

@@ -30,7 +30,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from disagg.engine.grammar import check_syntax
+from disagg.engine.grammar import check_schema
+from disagg.engine.sequence import MAX_GUIDE_CHARS
 from disagg.errors import RequestError
 from disagg.gateway.errors import bad_request
 
@@ -114,7 +115,22 @@ def parse_tools(body: JSON, fmt: ToolFormat | None = None) -> Tools | None:
         )
     if choice == "none":
         return None
+    _check_schemas(functions, strict=choice in ("required", "function"))
     return Tools(functions, choice, name, parallel, fmt or HERMES)
+
+
+def _check_schemas(functions: tuple[JSON, ...], strict: bool) -> None:
+    """Each function's parameters compile as a JSON schema: strictly when a call must come
+    (its grammar is built from them), leniently under auto (unimplemented keywords ignored,
+    a malformed schema still refused: such a call could never be validated)."""
+    total = sum(len(json.dumps(f["parameters"])) for f in functions)
+    if total > MAX_GUIDE_CHARS:
+        raise bad_request(f"'tools': parameters over {MAX_GUIDE_CHARS} characters in all", "tools")
+    for i, f in enumerate(functions):
+        try:
+            check_schema(f["parameters"], lenient=not strict)
+        except RequestError as e:
+            raise bad_request(f"tools[{i}].function.parameters: {e}", "tools") from e
 
 
 def _function(i: int, tool: object) -> JSON:
@@ -132,10 +148,10 @@ def _function(i: int, tool: object) -> JSON:
     params = fn.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(params, dict):
         raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
-    try:  # (tool_choice auto compiles no grammar: a broken schema is refused here all the same)
-        check_syntax("json_schema", json.dumps(params))
-    except RequestError as e:
-        raise bad_request(f"tools[{i}].function.parameters: {e}", "tools") from e
+    if len(json.dumps(params)) > MAX_GUIDE_CHARS:
+        raise bad_request(
+            f"tools[{i}].function.parameters is over {MAX_GUIDE_CHARS} characters", "tools"
+        )
     description = fn.get("description", "")
     if not isinstance(description, str):
         raise bad_request(f"tools[{i}].function.description must be a string", "tools")
