@@ -517,3 +517,32 @@ def test_a_logprob_of_minus_infinity_is_openais_minus_9999(tokenizer):
 
     obj = logprob_object(Bytes(), 5, TokenLogprob(float("-inf"), ((5, float("-inf")),)))
     assert obj["logprob"] == -9999.0 and obj["top_logprobs"][0]["logprob"] == -9999.0
+
+
+class RefusingDecode(ScriptedDecode):
+    """A decode replica that fails before it acknowledges (unreachable, its stub gone): the
+    hand-off it never took is released before the request moves on."""
+
+    def generate(self, request_id, params, *, handoff=None, prompt_ids=None):
+        if handoff is not None:
+            self.calls.append((handoff, prompt_ids))
+            raise PoolError("decode: unreachable")
+        yield from super().generate(request_id, params, handoff=handoff, prompt_ids=prompt_ids)
+
+
+@pytest.mark.parametrize("decode_cls", [RefusingDecode, UnpullableDecode])
+def test_a_hand_off_left_behind_by_a_failed_decode_is_released(
+    tokenizer, args, monkeypatch, decode_cls
+):
+    released = []
+    monkeypatch.setattr("disagg.pipeline.request.release", released.append)
+    ids = tokenizer.encode(" Hello world, how are you")
+    decode = decode_cls(ids[1:])
+    o = orchestrator(tokenizer, args, ScriptedPrefill(ids[0]), decode)
+    if decode_cls is RefusingDecode:  # (no migration here: the request fails, clearly)
+        with pytest.raises(PoolError, match="unreachable"):
+            o.run(request(tokenizer, max_tokens=len(ids)), lambda r: None)
+    else:  # decode prefills it itself and the request goes on
+        final = o.run(request(tokenizer, max_tokens=len(ids)), lambda r: None)
+        assert final.token_ids == ids
+    assert len(released) == 1 and released[0] is decode.calls[0][0].kv_payload

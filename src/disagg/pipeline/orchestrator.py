@@ -168,6 +168,7 @@ class Orchestrator:
                         run.request.request_id, e, run.num_output_tokens,
                     )  # fmt: skip
                     self.events.error("decode", "migrated")
+                run.release_unclaimed()  # (a decode that failed before taking its hand-off)
                 run.decode_pid = 0
                 self._continue_from_tokens(run, left)
 
@@ -202,6 +203,7 @@ class Orchestrator:
                 raise
             log.warning("request %s: %s; decode prefills it", run.request.request_id, e)
             self.events.error("kv_handoff", "transfer")
+            run.release_unclaimed()
             run.decode_pid, run.served_by = 0, FALLBACK
             return self._decode_from_tokens(run)
         except KVPrefixMissError as e:

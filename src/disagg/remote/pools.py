@@ -39,6 +39,7 @@ from disagg.codec.tensors import Arrays, gather, raise_for_failure, triton_dtype
 from disagg.contracts import DecodeStep, Handoff
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import KVPrefixMissError, PoolError, RequestCancelledError
+from disagg.pipeline.handoff import release
 from disagg.remote.cache_route import Follower, PromptKey, RouteParams
 from disagg.remote.replicas import Replica, ReplicaSet
 
@@ -223,15 +224,30 @@ class GrpcPrefillPool:
                 break
             except queue.Empty:
                 if self.cancels is not None and self.cancels.is_marked(request_id):
-                    # a lease the prefill made as this was cancelled is lost with its reply
-                    # (a window of milliseconds): the lease's TTL frees that one
                     call.cancel()
+                    self._release_late_reply(done, names)
                     raise RequestCancelledError(
                         f"prefill at {replica.address} cancelled: the client went away"
                     ) from None
         if error is not None:
             raise error
         return PrefillResponse.decode(_arrays(result, names))
+
+    def _release_late_reply(
+        self, done: queue.Queue[Any], names: tuple[str, ...], wait_s: float = 0.2
+    ) -> None:
+        """A reply already on its way when the call was cancelled still arrives: its lease is
+        dropped rather than left to the TTL (the prefill model drops one it made for a caller
+        it saw leave; this covers the moment between its last look and its reply)."""
+        try:
+            result, error = done.get(timeout=wait_s)
+        except queue.Empty:
+            return
+        if error is None and result is not None:
+            try:
+                release(PrefillResponse.decode(_arrays(result, names)).kv_payload)
+            except Exception as e:  # best effort: the TTL frees it otherwise
+                log.info("late prefill reply not released: %s", e)
 
 
 class GrpcDecodePool:
