@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
+nan = float("nan")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -70,10 +72,10 @@ async def one_round(target: GatewayTarget, maker: PromptMaker, a, r: int) -> dic
     window = (done_longs[0].send_s, max(t.chunk_s[0] if t.chunk_s else t.end_s for t in done_longs))
     done_streams = await asyncio.gather(*streams)
     gaps, tokens = [], 0
-    for t in done_streams:
-        times = [s for s in t.chunk_s if window[0] <= s <= window[1]]
-        gaps += [b - a_ for a_, b in zip(times, times[1:], strict=False)]
-        tokens += len(times)
+    for t in done_streams:  # every gap that overlaps the window (a stall may straddle an end)
+        pairs = zip(t.chunk_s, t.chunk_s[1:], strict=False)
+        gaps += [b - a_ for a_, b in pairs if b >= window[0] and a_ <= window[1]]
+        tokens += sum(window[0] <= s <= window[1] for s in t.chunk_s)
     errors = [t.error for t in (*done_streams, *done_longs) if t.error]
     span = window[1] - window[0]
     return {
@@ -81,7 +83,7 @@ async def one_round(target: GatewayTarget, maker: PromptMaker, a, r: int) -> dic
         "itl_p99_ms": 1e3 * pct(gaps, 0.99),
         "itl_max_ms": 1e3 * max(gaps, default=float("nan")),
         "ratio": pct(gaps, 0.99) / pct(gaps, 0.5) if gaps else float("nan"),
-        "long_ttft_p50_s": statistics.median(t.ttft for t in done_longs if t.ok),
+        "long_ttft_p50_s": statistics.median([t.ttft for t in done_longs if t.ok] or [nan]),
         "stream_tok_s": tokens / span if span > 0 else float("nan"),
         "window_s": span,
         "num_gaps": len(gaps),
@@ -169,7 +171,8 @@ def main() -> int:
     print(f"\n{'mode':<34}{'ITL p50':>9}{'ITL p99':>9}{'p99/p50':>9}"
           f"{'long TTFT':>11}{'stream tok/s':>14}{'errors':>8}")  # fmt: skip
     for m, rs in runs.items():
-        mid = sorted(rs, key=lambda x: x["ratio"])[len(rs) // 2]  # median round (of 2: worse)
+        ranked = sorted(rs, key=lambda x: (math.isnan(x["ratio"]), x["ratio"]))
+        mid = ranked[len(rs) // 2]  # the median round (of two, the worse)
         summary[m] = mid
         print(f"{m:<34}{mid['itl_p50_ms']:>7.0f}ms{mid['itl_p99_ms']:>7.0f}ms"
               f"{mid['ratio']:>9.2f}{mid['long_ttft_p50_s']:>10.2f}s"

@@ -230,13 +230,14 @@ def test_tool_calls_whole_streamed_and_answered(client):
     # the loop's last turn: with the tools still offered but none to call, the model
     # answers in text, whole and streamed alike (greedy: the same text)
     final = client.chat.completions.create(
-        model=MODEL, messages=history, tools=tools, tool_choice="none", max_tokens=40
-    ).choices[0]
+        model=MODEL, messages=history, tools=tools, tool_choice="none", max_tokens=40,
+        extra_body={"cache_salt": "final-whole"},  # (both prefill it whole: same arithmetic)
+    ).choices[0]  # fmt: skip
     assert final.message.content and not final.message.tool_calls
     assert final.finish_reason in ("stop", "length")
     pieces = client.chat.completions.create(
         model=MODEL, messages=history, tools=tools, tool_choice="none", max_tokens=40,
-        stream=True,
+        stream=True, extra_body={"cache_salt": "final-streamed"},
     )  # fmt: skip
     chunks = [c for c in pieces if c.choices]
     assert not any(c.choices[0].delta.tool_calls for c in chunks)
@@ -250,10 +251,13 @@ def test_n_choices_whole_and_streamed_share_one_prefill(client, server):
     by ~3 prompts: each computed only the prompt's last partial block, as vLLM v1's n fans
     out to child requests over its prefix cache)."""
     sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 12, "n": 4}
-    sampled["extra_body"] = {"ignore_eos": True}
     fresh = [{"role": "user", "content": "Name three colours of the rainbow, then stop."}]
+
+    def salted(salt: str) -> dict:  # (each call prefills its first choice whole: the same
+        return {**sampled, "extra_body": {"ignore_eos": True, "cache_salt": salt}}  # arithmetic)
+
     before = metric(server, "disagg_request_cached_tokens_sum")
-    whole = client.chat.completions.create(model=MODEL, messages=fresh, **sampled)
+    whole = client.chat.completions.create(model=MODEL, messages=fresh, **salted("n-whole"))
     assert [c.index for c in whole.choices] == [0, 1, 2, 3]
     texts = [c.message.content for c in whole.choices]
     assert len(set(texts)) == 4, texts  # seed + i: the choices differ
@@ -261,9 +265,11 @@ def test_n_choices_whole_and_streamed_share_one_prefill(client, server):
     prompt = whole.usage.prompt_tokens
     cached = metric(server, "disagg_request_cached_tokens_sum") - before
     assert cached >= 3 * (prompt - 16), (cached, prompt)  # all but the last partial block
-    again = client.chat.completions.create(model=MODEL, messages=fresh, **sampled)
+    again = client.chat.completions.create(model=MODEL, messages=fresh, **salted("n-again"))
     assert [c.message.content for c in again.choices] == texts  # reproducible
-    stream = client.chat.completions.create(model=MODEL, messages=fresh, stream=True, **sampled)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=fresh, stream=True, **salted("n-stream")
+    )
     streamed = ["", "", "", ""]
     finished = set()
     for chunk in stream:
@@ -278,8 +284,9 @@ def test_a_greedy_reply_is_unchanged_beside_penalised_and_guided_neighbours(clie
     """Batch invariance through the server: the same greedy request alone, then decoded in
     one batch with a penalised, a logit-biased and a JSON-guided neighbour (started first,
     longer, so they are running while it decodes), gives the same tokens."""
-    greedy = {"max_tokens": 24, "extra_body": {"ignore_eos": True}}
+    greedy = {"max_tokens": 24, "extra_body": {"ignore_eos": True, "cache_salt": "alone"}}
     alone = chat(client, **greedy).choices[0].message.content
+    greedy["extra_body"]["cache_salt"] = "beside"  # (prefilled whole too: same arithmetic)
     neighbours = [
         {"frequency_penalty": 1.5, "presence_penalty": 1.0, "max_tokens": 64},
         {"logit_bias": {"13": 5.0}, "temperature": 0.8, "seed": 1, "max_tokens": 64},

@@ -53,15 +53,18 @@ def test_structured_outputs_parse_in_every_mode(client):
 
 def test_a_required_tool_call_parses_whole_and_streamed_in_every_mode(client):
     ask = [{"role": "user", "content": "Weather in Rome, in celsius?"}]
+    # (each request its own cache_salt: both prefill the whole prompt, so greedy takes the
+    # same arithmetic; a prefix-cache hit computes the last block with other kernels)
     reply = client.chat.completions.create(
-        model=MODEL, messages=ask, tools=[CITY], tool_choice="required", max_tokens=80
-    ).choices[0]
+        model=MODEL, messages=ask, tools=[CITY], tool_choice="required", max_tokens=80,
+        extra_body={"cache_salt": "tool-whole"},
+    ).choices[0]  # fmt: skip
     assert reply.finish_reason == "tool_calls", reply.message
     args = json.loads(reply.message.tool_calls[0].function.arguments)
     assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
     stream = client.chat.completions.create(
         model=MODEL, messages=ask, tools=[CITY], tool_choice="required", max_tokens=80,
-        stream=True,
+        stream=True, extra_body={"cache_salt": "tool-streamed"},
     )  # fmt: skip
     deltas = [d for c in stream if c.choices for d in (c.choices[0].delta.tool_calls or [])]
     calls = reply.message.tool_calls  # (parallel calls allowed: each index streams its own)
@@ -79,7 +82,11 @@ def test_logprobs_and_seeded_choices_in_every_mode(client):
     assert "".join(t.token for t in content) == whole.message.content
     assert all(t.top_logprobs[0].token == t.token for t in content)  # greedy: its own top-1
     sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 10, "n": 3}
-    first = client.chat.completions.create(model=MODEL, messages=ASK, **sampled)
-    again = client.chat.completions.create(model=MODEL, messages=ASK, **sampled)
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, extra_body={"cache_salt": "n-first"}, **sampled
+    )
+    again = client.chat.completions.create(
+        model=MODEL, messages=ASK, extra_body={"cache_salt": "n-again"}, **sampled
+    )
     texts = [c.message.content for c in first.choices]
     assert [c.message.content for c in again.choices] == texts and len(texts) == 3

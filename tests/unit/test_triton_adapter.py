@@ -390,8 +390,9 @@ stop.set()
 """
     import subprocess
 
+    if os.getpriority(os.PRIO_PROCESS, 0) > 7:
+        pytest.skip("this test process runs below niceness 7's priority already")
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
     )
-    assert os.getpriority(os.PRIO_PROCESS, 0) <= 7  # (the test starts from a higher priority)
     assert out.stdout.split() == ["7", "7"], out

@@ -79,7 +79,10 @@ def trt_grammar(backend: str, params: SamplingParams) -> str:
             return params.guide
         from llguidance.gbnf_to_lark import any_to_lark
 
-        return str(any_to_lark(params.guide))
+        try:
+            return str(any_to_lark(params.guide))
+        except Exception as e:  # noqa: BLE001 - the converter's errors name what is wrong
+            raise RequestError(f"the ebnf_grammar guide does not parse: {e}") from e
     if params.guide_type == "lark":
         raise RequestError(
             "this guide is a Lark grammar (a required or named tool call, a choice): a "
