@@ -56,22 +56,12 @@ def to_llguidance(guide_type: str, guide: str) -> str:
 
     try:
         if guide_type == "json":
-            return str(
-                llguidance.LLMatcher.grammar_from_json_schema(
-                    {"type": "object"},
-                    defaults=JSON_OPTIONS,  # type: ignore[arg-type]
-                )
-            )
+            return _json_grammar(llguidance, {"type": "object"})
         if guide_type == "json_schema":
             schema = json.loads(guide)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema is a JSON object")
-            return str(
-                llguidance.LLMatcher.grammar_from_json_schema(
-                    schema,
-                    defaults=JSON_OPTIONS,  # type: ignore[arg-type]
-                )
-            )
+            return _json_grammar(llguidance, schema)
         if guide_type == "regex":
             return str(llguidance.LLMatcher.grammar_from_regex(guide))
         lark = any_to_lark(guide) if guide_type == "ebnf_grammar" else guide
@@ -82,6 +72,13 @@ def to_llguidance(guide_type: str, guide: str) -> str:
         raise RequestError(f"the {guide_type} guide does not parse: {_short(e)}") from e
 
 
+def _json_grammar(llguidance: Any, schema: dict[str, Any], lenient: bool = False) -> str:
+    """`lenient`: keywords llguidance does not implement are ignored rather than refused."""
+    options = {**JSON_OPTIONS, "lenient": lenient} if lenient else JSON_OPTIONS
+    return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options))
+
+
+@functools.lru_cache(maxsize=256)  # (clients send the same schema on every call)
 def check_syntax(guide_type: str, guide: str) -> None:
     """Whether the guide is a valid grammar at all, no vocabulary needed (the gateway asks,
     to name the field that carried it; the orchestrator still compiles it for the model).
@@ -103,11 +100,10 @@ def check_schema(schema: dict[str, Any], lenient: bool) -> None:
     except ImportError:
         return
     try:
-        options = {**JSON_OPTIONS, "lenient": lenient}
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
+        grammar = _json_grammar(llguidance, schema, lenient)
     except Exception as e:  # noqa: BLE001 - the library's errors name what is wrong
         raise RequestError(f"the JSON schema does not parse: {_short(e)}") from e
-    _validate(llguidance, str(grammar), "JSON schema")
+    _validate(llguidance, grammar, "JSON schema")
 
 
 def _validate(llguidance: Any, grammar: str, what: str) -> None:
