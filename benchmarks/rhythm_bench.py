@@ -22,13 +22,11 @@ import math
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from served_bench import API_KEY, server_settings
 
-from disagg.bench.runner import GatewayTarget
-from disagg.bench.stats import Timeline
+from disagg.bench.runner import GatewayTarget, run_one
 from disagg.bench.workloads import PromptMaker, RequestSpec
 from disagg.engine.tokenizer import Tokenizer
 from disagg.serve.gateway_process import GatewayProcess
@@ -46,27 +44,20 @@ def pct(xs: list[float], q: float) -> float:
 async def one_round(target: GatewayTarget, maker: PromptMaker, a, r: int) -> dict:
     """Streams first; once they run, the long prompts at `every`-second intervals."""
 
-    async def send(spec: RequestSpec, prompt: str) -> Timeline:
-        t = Timeline(cls=spec.cls, send_s=time.perf_counter(), prompt_tokens=spec.prompt_tokens)
-        try:
-            await target.send(spec, prompt, t)
-        except Exception as e:  # recorded, and the round reports it
-            t.error = f"{type(e).__name__}: {e}"[:300]
-        t.end_s = time.perf_counter()
-        return t
-
     def spec(i: int, cls: str, n: int, out: int) -> RequestSpec:
         return RequestSpec(i, cls, 0.0, n, out, {})
 
     streams = [
-        asyncio.create_task(send(spec(i, "stream", 64, a.stream_tokens), maker.text(64, i + r)))
+        asyncio.create_task(
+            run_one(target, spec(i, "stream", 64, a.stream_tokens), maker.text(64, i + r))
+        )
         for i in range(a.streams)
     ]
     await asyncio.sleep(a.lead)
     longs = []
     for j in range(a.longs):
         text = maker.text(a.prompt, 100 + j + 10 * r)  # no prefix shared with another
-        longs.append(asyncio.create_task(send(spec(50 + j, "long", a.prompt, 4), text)))
+        longs.append(asyncio.create_task(run_one(target, spec(50 + j, "long", a.prompt, 4), text)))
         await asyncio.sleep(a.every)
     done_longs = await asyncio.gather(*longs)
     window = (done_longs[0].send_s, max(t.chunk_s[0] if t.chunk_s else t.end_s for t in done_longs))
@@ -110,7 +101,7 @@ def measure(spec: str, a, maker: PromptMaker, rounds: list[int]) -> list[dict]:
                 target = GatewayTarget(gateway.url, settings.served_model_name, API_KEY)
                 try:
                     if r < 0:  # warm-up: one short request
-                        await target.send(RequestSpec(0, "w", 0, 8, 4, {}), "Hi", Timeline("w", 0))
+                        await run_one(target, RequestSpec(0, "w", 0, 8, 4, {}), "Hi")
                         return {}
                     return await one_round(target, maker, a, r)
                 finally:

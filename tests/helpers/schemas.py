@@ -148,3 +148,22 @@ MODELS = [
     (Translation, "Translate 'hello' into French."),
     (Favourite, "Pick a colour for a stop sign, and say why."),
 ]
+
+
+# a tool for the tool-call tests (tests/integration/test_sampling_*.py): bounded arguments
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}

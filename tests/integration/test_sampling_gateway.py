@@ -12,6 +12,7 @@ from typing import Literal
 import openai
 import pydantic
 import pytest
+from helpers.schemas import WEATHER_TOOL
 from helpers.triton_server import metric, openai_client, start_server
 
 from disagg.engine.tokenizer import Tokenizer
@@ -169,22 +170,6 @@ def test_guides_that_do_not_compile_get_400_naming_the_reason(client):
     assert "Paris" in chat(client).choices[0].message.content  # the server is unharmed
 
 
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather forecast for a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
 TIME_TOOL = {"type": "function", "function": {"name": "get_time"}}
 
 

@@ -8,28 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.schemas import MODELS
+from helpers.schemas import MODELS, WEATHER_TOOL
 from helpers.triton_server import openai_client, start_server
 
 pytestmark = pytest.mark.integration
 KEY = "sk-test-modes"
 MODEL = "smollm2-135m-instruct"
 ASK = [{"role": "user", "content": "What is the capital of France? Answer with one word."}]
-CITY = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module", params=["colocated", "conditional"])
@@ -56,14 +41,14 @@ def test_a_required_tool_call_parses_whole_and_streamed_in_every_mode(client):
     # (each request its own cache_salt: both prefill the whole prompt, so greedy takes the
     # same arithmetic; a prefix-cache hit computes the last block with other kernels)
     reply = client.chat.completions.create(
-        model=MODEL, messages=ask, tools=[CITY], tool_choice="required", max_tokens=80,
+        model=MODEL, messages=ask, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=80,
         extra_body={"cache_salt": "tool-whole"},
     ).choices[0]  # fmt: skip
     assert reply.finish_reason == "tool_calls", reply.message
     args = json.loads(reply.message.tool_calls[0].function.arguments)
     assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
     stream = client.chat.completions.create(
-        model=MODEL, messages=ask, tools=[CITY], tool_choice="required", max_tokens=80,
+        model=MODEL, messages=ask, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=80,
         stream=True, extra_body={"cache_salt": "tool-streamed"},
     )  # fmt: skip
     deltas = [d for c in stream if c.choices for d in (c.choices[0].delta.tool_calls or [])]

@@ -97,14 +97,18 @@ class Progress:
     update: Callable[[Timeline], None] = lambda t: None
 
 
-async def _one(target: Target, spec: RequestSpec, prompt: str, progress: Progress) -> Timeline:
+async def run_one(
+    target: Target, spec: RequestSpec, prompt: str, progress: Progress | None = None
+) -> Timeline:
+    """One request's timeline; an error is recorded in it, not raised."""
     t = Timeline(cls=spec.cls, send_s=time.perf_counter(), prompt_tokens=spec.prompt_tokens)
     try:
         await target.send(spec, prompt, t)
     except Exception as e:  # recorded: an error is a request that missed its SLO
         t.error = f"{type(e).__name__}: {e}"[:300]
     t.end_s = time.perf_counter()
-    progress.update(t)
+    if progress is not None:
+        progress.update(t)
     return t
 
 
@@ -123,7 +127,7 @@ async def run_open_loop(
         delay = start + spec.arrival_s - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(_one(target, spec, prompt, progress)))
+        tasks.append(asyncio.create_task(run_one(target, spec, prompt, progress)))
     return list(await asyncio.gather(*tasks))
 
 
@@ -135,4 +139,4 @@ async def run_one_at_a_time(
 ) -> list[Timeline]:
     """Unloaded latency: each request alone (SLO calibration)."""
     progress = progress or Progress()
-    return [await _one(target, s, prompt_for(s), progress) for s in specs]
+    return [await run_one(target, s, prompt_for(s), progress) for s in specs]
