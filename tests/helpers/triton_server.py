@@ -50,6 +50,46 @@ def start_with(settings):
     return server
 
 
+# tritonserver's own death when a stub is killed while it holds one of the Python backend's
+# shared-memory locks: "terminate called after throwing an instance of
+# 'boost::interprocess::lock_exception'" from libtriton_python.so (seen once in many decode
+# kills, in CI). Upstream's crash, not ours: `disagg serve` answers it by starting tritonserver
+# again (tests/integration/test_serve_cli.py kills tritonserver and checks that).
+UPSTREAM_ABORT = "boost::interprocess::lock_exception"
+
+
+def died_of_upstream_abort(server, wait_s: float = 10.0) -> bool:
+    """Whether tritonserver exited of UPSTREAM_ABORT (the log names it; the process is given
+    `wait_s` to finish dying, since clients see their connections close as it goes)."""
+    if UPSTREAM_ABORT not in server.log_tail(400):
+        return False
+    deadline = time.monotonic() + wait_s
+    while server.proc is not None and server.proc.poll() is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def once_more_if_upstream_aborted(server, case):
+    """Run `case()` (a fault case that kills stubs of a bare TritonServer, which, unlike
+    `disagg serve`, restarts nothing); if tritonserver died of UPSTREAM_ABORT during it,
+    start the server again and run the case once more. Any other death, or that abort twice,
+    still fails the test."""
+    got = case()
+    if not died_of_upstream_abort(server):
+        return got
+    import warnings
+
+    warnings.warn(f"tritonserver died of {UPSTREAM_ABORT} (upstream); case run again", stacklevel=2)
+    server.stop()
+    server.start()
+    server.wait_ready(timeout_s=240)
+    got = case()
+    assert not died_of_upstream_abort(server), f"{UPSTREAM_ABORT} twice:\n{server.log_tail()}"
+    return got
+
+
 def metric(server, name: str, **labels) -> float:
     """The sum of a Prometheus metric's series on the server's metrics port, optionally only
     those with the given label values."""

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers.triton_server import admin_post, metric_becomes, scrape, start_server
+from helpers.triton_server import (
+    admin_post,
+    metric_becomes,
+    once_more_if_upstream_aborted,
+    scrape,
+    start_server,
+)
 
 from disagg import contracts as C
 from disagg.client import GenerateError, GrpcClient, HttpClient
@@ -160,9 +166,13 @@ def test_a_decode_crash_under_load_loses_no_request_on_any_entry_point(stack):
     new decode continues each (pipeline/recovery.py; greedy equality: test_decode_recovery)."""
     server, gateway = stack
     calls = _long_requests(server, gateway)
-    (decode,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "decode"]
-    region = _stub_table(server)[decode][1]
-    out, _ = _kill_under_load(server, calls, decode)
+
+    def killed_run() -> tuple[int, str, Outcomes]:
+        (decode,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "decode"]
+        region = _stub_table(server)[decode][1]
+        return decode, region, _kill_under_load(server, calls, decode)[0]
+
+    decode, region, out = once_more_if_upstream_aborted(server, killed_run)
     counts = out.counts(calls)
     assert counts == {"completed": len(calls), "error": 0, "unclear": 0, "hung": 0}, out.got
 

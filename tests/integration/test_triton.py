@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.triton_server import admin_post, eventually, metric
+from helpers.triton_server import admin_post, eventually, metric, once_more_if_upstream_aborted
 
 from disagg import contracts as C
 from disagg.client import GenerateError, GrpcClient, HttpClient
@@ -251,22 +251,32 @@ def test_decode_process_killed_mid_stream_is_held_then_continued(server, http):
     """One decode instance: the orchestrator holds the stream while the supervisor restarts
     decode, then the new one continues it (pipeline/recovery.py): one stream, the text of an
     undisturbed run (greedy, ignore_eos)."""
-    pid = http.generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 2}).extra[
-        C.DECODE_PID
-    ]
     # ignore_eos: still decoding when the kill lands, however fast decode is
     body = {**chat("Write a long story about a dragon.", 96), C.IGNORE_EOS: True}
     undisturbed = http.generate("ensemble", body)
-    killed = []
-
-    def kill_on_third(_):
-        if len(killed) == 0 and len(deltas) == 2:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(time.monotonic())
-        deltas.append(_)
-
+    killed: list[float] = []
     deltas: list[str] = []
-    r = http.generate("ensemble", body, stream=True, on_delta=kill_on_third)
+
+    def killed_run():
+        pid = http.generate("orchestrator", {C.INPUT_IDS: [1, 2, 3], C.MAX_TOKENS: 2}).extra[
+            C.DECODE_PID
+        ]
+        killed.clear()
+        deltas.clear()
+
+        def kill_on_third(_):
+            if len(killed) == 0 and len(deltas) == 2:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+            deltas.append(_)
+
+        try:
+            return pid, http.generate("ensemble", body, stream=True, on_delta=kill_on_third)
+        except GenerateError as e:  # the server itself died: see once_more_if_upstream_aborted
+            return pid, e
+
+    pid, r = once_more_if_upstream_aborted(server, killed_run)
+    assert not isinstance(r, GenerateError), r
     assert killed and r.text == "".join(deltas) == undisturbed.text
     assert r.num_output_tokens == 96 and r.finish_reason == "length"
 
