@@ -144,24 +144,66 @@ static void direct_pair(const float *x, int64_t k, int64_t nr, const uint8_t *q0
 }
 #undef PAIR
 
-/* Rows r0 .. r0+nr-1 (nr <= ROWS) against nc <= 2 expanded columns w [nc, k]. */
-static void tile(const float *x, int64_t k, int64_t nr, const float *w, int64_t nc, float *y,
-                 int64_t ldy) {
-    __m256 acc[ROWS][2];
-    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const float *w1 = nc > 1 ? w + k : w;
+/* q4_expand and q8_expand with the group expansions above: the same values (a multiply and
+ * an add, each rounded, as in the scalar loops), eight at a time. The scalar loops took most
+ * of a 16-row product's time: each column's expansion is done once for all its rows. */
+static void q4_expand_v(const uint8_t *qs, const float *d, const float *mn, int zero, int64_t ng,
+                        int64_t nc, float *out) {
+    for (int64_t i = 0; i < nc * ng; i++) {
+        __m256 w[4];
+        q4_group(qs + i * 16, d[i], mn[i], zero, w);
+        for (int s = 0; s < 4; s++) _mm256_storeu_ps(out + i * GROUP + 8 * s, w[s]);
+    }
+}
+
+static void q8_expand_v(const int8_t *qs, const float *d, int64_t ng, int64_t nc, float *out) {
+    for (int64_t i = 0; i < nc * ng; i++) {
+        __m256 w[4];
+        q8_group(qs + i * GROUP, d[i], w);
+        for (int s = 0; s < 4; s++) _mm256_storeu_ps(out + i * GROUP + 8 * s, w[s]);
+    }
+}
+#define Q4_EXPAND q4_expand_v
+#define Q8_EXPAND q8_expand_v
+
+/* Rows r0 .. r0+NR-1 (NR <= ROWS) against nc <= TCOLS expanded columns w [nc, k]: 12
+ * accumulators, three weight vectors and one of x fill the 16 registers. NR is a constant at
+ * each call (tile() below), so the accumulators stay in registers: with a run-time row count
+ * they lived on the stack, a load and a store around every fma. */
+#define TCOLS 3
+INLINE void tile_n(const float *x, int64_t k, const int NR, const float *w, int64_t nc,
+                   float *y, int64_t ldy) {
+    __m256 acc[ROWS][TCOLS];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < TCOLS; c++) acc[r][c] = _mm256_setzero_ps();
+    const float *w1 = nc > 1 ? w + k : w, *w2 = nc > 2 ? w + 2 * k : w;
     for (int64_t j = 0; j < k; j += 8) {
         __m256 a = _mm256_loadu_ps(w + j), b = _mm256_loadu_ps(w1 + j);
-        for (int64_t r = 0; r < nr; r++) {
+        __m256 e = _mm256_loadu_ps(w2 + j);
+        for (int r = 0; r < NR; r++) {
             __m256 xv = _mm256_loadu_ps(x + r * k + j);
             acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
             acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(e, xv, acc[r][2]);
         }
     }
-    for (int64_t r = 0; r < nr; r++)
+    for (int r = 0; r < NR; r++)
         for (int64_t c = 0; c < nc; c++) y[r * ldy + c] = hsum8(acc[r][c]);
 }
+
+static void tile(const float *x, int64_t k, int64_t nr, const float *w, int64_t nc, float *y,
+                 int64_t ldy) {
+    switch (nr) {
+    case 1: tile_n(x, k, 1, w, nc, y, ldy); break;
+    case 2: tile_n(x, k, 2, w, nc, y, ldy); break;
+    case 3: tile_n(x, k, 3, w, nc, y, ldy); break;
+    default: tile_n(x, k, 4, w, nc, y, ldy); break;
+    }
+}
 #else
+#define Q4_EXPAND q4_expand
+#define Q8_EXPAND q8_expand
+#define TCOLS 2
 /* Portable fallback: the same expanded weights and eight-lane partial sums as the SIMD path
  * (it matches that path up to fma rounding). */
 static void tile(const float *x, int64_t k, int64_t nr, const float *w, int64_t nc, float *y,
@@ -179,35 +221,40 @@ static void tile(const float *x, int64_t k, int64_t nr, const float *w, int64_t 
 }
 #endif
 
-/* Columns split among the threads in pairs; each pair expanded once (in registers for up to
- * ROWS rows, else into buf) and multiplied with every row. */
+/* Columns split among the threads: up to ROWS rows in pairs expanded in registers; more rows
+ * in groups of TCOLS columns expanded once into buf and multiplied with every row. */
 static void columns(const float *x, int64_t m_rows, int64_t k, int64_t n, float *y,
                     int threads, const void *qs, const float *d, const float *mn, int zero,
                     int q8) {
-    int64_t ng = k / GROUP, width = q8 ? GROUP : 16;
+    int64_t ng = k / GROUP, width = q8 ? GROUP : 16, bytes = ng * width;
 #pragma omp parallel num_threads(threads)
     {
-        float buf[2 * k];
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < n; c += 2) {
-            int64_t nc = n - c < 2 ? n - c : 2;
-            const uint8_t *qc = (const uint8_t *)qs + c * ng * width;
 #ifdef DISAGG_AVX2
-            if (m_rows <= ROWS) {
-                int64_t c1 = nc > 1 ? c + 1 : c, bytes = ng * width;
+        if (m_rows <= ROWS) {
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < n; c += 2) {
+                int64_t nc = n - c < 2 ? n - c : 2, c1 = nc > 1 ? c + 1 : c;
                 const float *m0 = q8 ? d : mn + c * ng, *m1 = q8 ? d : mn + c1 * ng;
-                direct_pair(x, k, m_rows, qc, (const uint8_t *)qs + c1 * bytes, d + c * ng,
-                            d + c1 * ng, m0, m1, zero, q8, nc, y + c, n);
-                continue;
+                direct_pair(x, k, m_rows, (const uint8_t *)qs + c * bytes,
+                            (const uint8_t *)qs + c1 * bytes, d + c * ng, d + c1 * ng, m0, m1,
+                            zero, q8, nc, y + c, n);
             }
+        } else
 #endif
-            if (q8)
-                q8_expand((const int8_t *)qc, d + c * ng, ng, nc, buf);
-            else
-                q4_expand(qc, d + c * ng, mn + c * ng, zero, ng, nc, buf);
-            for (int64_t r0 = 0; r0 < m_rows; r0 += ROWS) {
-                int64_t nr = m_rows - r0 < ROWS ? m_rows - r0 : ROWS;
-                tile(x + r0 * k, k, nr, buf, nc, y + r0 * n + c, n);
+        {
+            float buf[TCOLS * k];
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < n; c += TCOLS) {
+                int64_t nc = n - c < TCOLS ? n - c : TCOLS;
+                const uint8_t *qc = (const uint8_t *)qs + c * bytes;
+                if (q8)
+                    Q8_EXPAND((const int8_t *)qc, d + c * ng, ng, nc, buf);
+                else
+                    Q4_EXPAND(qc, d + c * ng, mn + c * ng, zero, ng, nc, buf);
+                for (int64_t r0 = 0; r0 < m_rows; r0 += ROWS) {
+                    int64_t nr = m_rows - r0 < ROWS ? m_rows - r0 : ROWS;
+                    tile(x + r0 * k, k, nr, buf, nc, y + r0 * n + c, n);
+                }
             }
         }
     }
