@@ -105,6 +105,18 @@ def test_a_burst_sharing_a_prefix_computes_it_once(llm):
     assert sorted(reused)[0] == 0 and sorted(reused)[1] > 100  # one computed it, for all
 
 
+def test_a_burst_beside_a_running_sequence_computes_the_shared_prefix_once(llm):
+    """Beside a decoding sequence (admitted whole in the same step), a burst's chunks run in one packed forward; a prompt whose
+    first uncached block another chunk of that step computes waits a step and reuses it."""
+    unrelated = llm.tokenizer.encode_chat([{"role": "user", "content": "Count to twenty."}])
+    prompts = [unrelated, *_prompts(llm)]
+    off, _, _ = _decode(llm, prompts, 0, concurrent=True, first_alone=False)
+    on, reused, _ = _decode(llm, prompts, 8192, concurrent=True, first_alone=False)
+    assert on == off
+    shared = _common(prompts[1], prompts[2]) // 16 * 16  # whole blocks of the system prompt
+    assert sorted(reused[1:])[0] == 0 and sorted(reused[1:])[1] >= shared > 100, reused
+
+
 def test_a_second_turn_reuses_the_first_turns_reply(llm):
     """The whole first exchange (prompt and generated reply) is cached when it finishes."""
     first = _prompts(llm)[0]

@@ -54,6 +54,9 @@ class NoModel:
     def prefill_chunk(self, token_ids, start, cache, slot):
         return self._logits()
 
+    def prefill_chunks(self, chunks, cache):
+        return [self._logits() for _ in chunks]
+
     def decode(self, tokens, positions, cache):
         return self._logits(len(tokens))
 

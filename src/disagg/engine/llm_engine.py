@@ -25,7 +25,9 @@ from disagg.engine.grammar import guide_for
 from disagg.engine.kv_payload import KVPayload
 from disagg.engine.kv_reuse import complete_handoff, kv_reuse_for
 from disagg.engine.model import KVCacheSlots, Llama
+from disagg.engine.packed_prefill import Chunk
 from disagg.engine.prefill_engine import PrefillEngine, PrefillResult, resolve_seed
+from disagg.engine.prefix_cache import BlockHash
 from disagg.engine.quant import DIRECT_ROWS
 from disagg.engine.sampling import sample_batch, sample_one, token_logprobs
 from disagg.engine.scheduler import Scheduler, SlotMove
@@ -226,7 +228,8 @@ class DecodeEngine:
 
     def _prefill_chunks(self, outputs: list[TokenOutput]) -> list[Sequence]:
         """Advance the prompts decode prefills in chunks, oldest first, within this step's
-        token budget. Returns the ones whose first token already ends them.
+        token budget, all of this step's chunks in one forward (engine/packed_prefill.py).
+        Returns the ones whose first token already ends them.
 
         Chunks protect a running batch from prompts: a step's chunk delays every decoding
         sequence once, each waiting prompt waits for every step its prefill takes. While
@@ -241,29 +244,56 @@ class DecodeEngine:
         if decoding < len(prefilling):
             left = sum(s.prompt_len - s.num_cached_tokens for s in prefilling)
             budget = min(left, max(self.config.burst_prefill_tokens - self._prefilled, 0))
-        done: list[Sequence] = []
+        planned: list[tuple[Sequence, Chunk]] = []
+        computing: set[BlockHash] = set()  # blocks this step's chunks compute (see _in_flight)
         for seq in prefilling:
             assert seq.prefill_pos is not None  # (prefilling: it is)
             if budget <= 0:
                 break
             prompt = seq.prompt_ids
+            if seq.prefill_pos == 0:  # its first chunk: what is cached now is not computed
+                if self._in_flight(seq, computing):
+                    continue  # the next step finds those blocks cached
+                seq.prefill_pos = self._reuse(seq)
             n = len(prompt) - seq.prefill_pos
             if self._others_decoding(seq):  # nobody to keep waiting: the rest at once
                 n = min(budget, n)
-            if seq.prefill_pos == 0:  # its first chunk: what is cached now is not computed
-                seq.prefill_pos = self._reuse(seq)
-                n = min(n, len(prompt) - seq.prefill_pos)
-            chunk = prompt[seq.prefill_pos : seq.prefill_pos + n]
-            logits = self.model.prefill_chunk(chunk, seq.prefill_pos, self.cache, seq.slot)
-            seq.prefill_pos += n
+            chunk = Chunk(prompt[seq.prefill_pos : seq.prefill_pos + n], seq.prefill_pos, seq.slot)
+            planned.append((seq, chunk))
+            if self.kv_reuse is not None and seq.use_cache:
+                first = seq.prefill_pos // self.kv_reuse.block_size
+                full = (seq.prefill_pos + n) // self.kv_reuse.block_size
+                computing.update(self._hashes(seq)[first:full])
             budget -= n
-            if seq.prefill_pos < len(prompt):
+        if not planned:
+            return []
+        logits = self.model.prefill_chunks([c for _, c in planned], self.cache)
+        done: list[Sequence] = []
+        for (seq, chunk), seq_logits in zip(planned, logits, strict=True):
+            assert seq.prefill_pos is not None
+            seq.prefill_pos += len(chunk.token_ids)
+            if seq.prefill_pos < seq.prompt_len:
                 continue
-            reason = self._first_token(seq, logits, outputs)
+            reason = self._first_token(seq, seq_logits, outputs)
             self._admitted_hook(seq, time.perf_counter() - seq.admitted_s)
             if reason is not None:
                 done.append(seq)
         return done
+
+    def _hashes(self, seq: Sequence) -> list[BlockHash]:
+        assert self.kv_reuse is not None
+        return list(self.kv_reuse.hashes(seq.prompt_ids, seq.params.cache_salt))
+
+    def _in_flight(self, seq: Sequence, computing: set[BlockHash]) -> bool:
+        """Whether the first block `seq` would compute (past what the prefix cache holds) is
+        one another chunk of this step computes: then it waits a step and takes it from the
+        cache, instead of computing it twice (16 requests with one system prompt arriving
+        together: one computes the system prompt, the others only their own part)."""
+        if not computing or self.kv_reuse is None or not seq.use_cache:
+            return False
+        first = self.kv_reuse.peek(seq) // self.kv_reuse.block_size
+        hashes = self._hashes(seq)
+        return first < len(hashes) and hashes[first] in computing
 
     def _reuse(self, seq: Sequence) -> int:
         """Copy what the prefix cache holds of the prompt into the slot: how many tokens."""

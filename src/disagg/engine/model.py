@@ -29,7 +29,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from disagg.engine import fused_decode, quant
+from disagg.engine import fused_decode, packed_prefill, quant
 from disagg.engine.config import ACTIVATIONS, WEIGHTS_FILE, ModelArgs, load_model_args
 from disagg.engine.interrupt import Stop, until_stopped
 from disagg.engine.kernels import (
@@ -43,6 +43,8 @@ from disagg.engine.kernels import (
     resolve_compute_dtype,
     resolve_device,
 )
+from disagg.engine.layers import apply_rope, rms_norm, rope_tables
+from disagg.engine.packed_prefill import Chunk
 from disagg.engine.quant import QuantLinear
 from disagg.errors import ConfigError
 
@@ -59,28 +61,6 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [dim]
     w13: Linear | BlockLinear  # [2 * hidden, dim]: gate rows, then up rows
     w2: Linear | BlockLinear  # [dim, hidden]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, weight.shape, weight, eps)
-
-
-def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_context, D] in HF's `rotate_half` layout (halves repeated), with the
-    sign of rotate_half folded into the first half of sin."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    freqs = torch.outer(torch.arange(args.max_context, dtype=torch.float32), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    sin = emb.sin()
-    sin[:, : d // 2] *= -1
-    return emb.cos(), sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [..., D]; cos/sin broadcast to it. rotate_half(x) = [-x2, x1]; the minus is in sin.
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def zeros_kv(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,6 +326,15 @@ class Llama:
             x = x + linear(o[0].transpose(0, 1).reshape(n, -1), layer.wo)
             x = x + self._mlp(layer, x)
         return linear(rms_norm(x[-1:], self.norm, a.norm_eps), self.lm_head)[0]
+
+    def prefill_chunks(self, chunks: list[Chunk], cache: KVCacheSlots) -> list[torch.Tensor]:
+        """`prefill_chunk` of each chunk, bit for bit, their products made together on a CPU
+        (engine/packed_prefill.py); one after another elsewhere (cuBLAS picks kernels by
+        row count)."""
+        if self.device.type != "cpu" or len(chunks) == 1:
+            return [self.prefill_chunk(c.token_ids, c.start, cache, c.slot) for c in chunks]
+        with torch.inference_mode():
+            return packed_prefill.prefill_chunks(self, chunks, cache)
 
     # ------------------------------------------------------------ decode
 

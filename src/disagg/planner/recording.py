@@ -29,6 +29,11 @@ class _Model:
         self._rec.work.add(CHUNK, len(token_ids), start)
         return self._inner.prefill_chunk(token_ids, start, *args, **kwargs)
 
+    def prefill_chunks(self, chunks: list[Any], *args: Any, **kwargs: Any) -> Any:
+        for c in chunks:  # costed as the chunks one by one (what decode_sim prices)
+            self._rec.work.add(CHUNK, len(c.token_ids), c.start)
+        return self._inner.prefill_chunks(chunks, *args, **kwargs)
+
     def decode(self, tokens: Any, positions: Any, *args: Any, **kwargs: Any) -> Any:
         self._rec.work.add(DECODE, len(tokens), int(positions.max()) + 1)
         return self._inner.decode(tokens, positions, *args, **kwargs)

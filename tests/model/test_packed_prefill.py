@@ -1,0 +1,47 @@
+"""Prompt chunks prefilled in one forward (engine/packed_prefill.py) give what each gives
+alone with `prefill_chunk`, bit for bit: logits and every K/V position written. Chunks of both
+kernel groups (at most DIRECT_ROWS rows: blocks; longer: dense), fresh and after cached
+positions, in one pack; the engine default and the dense float32 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.engine.model import KVCacheSlots, Llama
+from disagg.engine.packed_prefill import Chunk
+from disagg.engine.quant import DIRECT_ROWS
+
+pytestmark = pytest.mark.model
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (n,), generator=g).tolist()
+
+
+# (tokens, start): a blocks-sized chunk after cached positions, one prompt's first dense-sized
+# chunk, a single token, a dense-sized chunk after cached positions, one exactly DIRECT_ROWS
+SHAPES = [(40, 96), (150, 0), (1, 7), (DIRECT_ROWS + 1, 32), (DIRECT_ROWS, 0)]
+
+
+def _prefix(model, cache, slot: int, start: int, seed: int) -> None:
+    if start:
+        model.prefill_chunk(_ids(start, seed + 100), 0, cache, slot)
+
+
+@pytest.mark.parametrize("weights", ["auto", "float32"])
+def test_a_pack_of_chunks_equals_each_chunk_alone(engine_dir, llm, weights):
+    model = llm.model if weights == "auto" else Llama.load(engine_dir, weights="float32")
+    chunks = [Chunk(_ids(n, i), start, slot=i) for i, (n, start) in enumerate(SHAPES)]
+    alone = KVCacheSlots(model.args, len(SHAPES), 512)
+    packed = KVCacheSlots(model.args, len(SHAPES), 512)
+    want = []
+    for i, c in enumerate(chunks):
+        _prefix(model, alone, c.slot, c.start, i)
+        _prefix(model, packed, c.slot, c.start, i)
+        want.append(model.prefill_chunk(c.token_ids, c.start, alone, c.slot))
+    got = model.prefill_chunks(chunks, packed)
+    for c, w, g in zip(chunks, want, got, strict=True):
+        assert torch.equal(w, g), (len(c.token_ids), c.start, (w - g).abs().max())
+    assert torch.equal(alone.k, packed.k) and torch.equal(alone.v, packed.v)
