@@ -106,8 +106,9 @@ def test_a_burst_sharing_a_prefix_computes_it_once(llm):
 
 
 def test_a_burst_beside_a_running_sequence_computes_the_shared_prefix_once(llm):
-    """Beside a decoding sequence (admitted whole in the same step), a burst's chunks run in one packed forward; a prompt whose
-    first uncached block another chunk of that step computes waits a step and reuses it."""
+    """Beside a decoding sequence (admitted whole in the same step), a burst's chunks run in
+    one packed forward; a prompt whose first uncached block another chunk of that step
+    computes waits a step and reuses it."""
     unrelated = llm.tokenizer.encode_chat([{"role": "user", "content": "Count to twenty."}])
     prompts = [unrelated, *_prompts(llm)]
     off, _, _ = _decode(llm, prompts, 0, concurrent=True, first_alone=False)

@@ -1,5 +1,6 @@
 """The fault tests' rerun after upstream's tritonserver abort (tests/helpers/triton_server.py)
-decides from the server's log and process, and reruns only that death, once."""
+decides from the server's log written during the case and from how the process ended, and
+reruns only that death, once."""
 
 from __future__ import annotations
 
@@ -10,58 +11,65 @@ import pytest
 from helpers.triton_server import UPSTREAM_ABORT, once_more_if_upstream_aborted
 
 pytestmark = pytest.mark.unit
+ABORT_LINE = f"terminate called after throwing an instance of '{UPSTREAM_ABORT}'\n"
 
 
 class FakeServer:
-    """A TritonServer's surface the helper uses; its process is a real child that exits."""
+    """A TritonServer's surface the helper uses: a log file and a real child process."""
 
-    def __init__(self, logs: list[str]) -> None:
-        self.logs = logs  # what each start's log ends with
+    def __init__(self, log_path, dies: list[tuple[str, int]]) -> None:
+        self.log_path = log_path
+        self.log_path.write_text("I1203 started\n")
+        self.dies = dies  # per run of the case: (what the log gets, the exit status)
+        self.runs = 0
         self.starts = 0
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc = self._child("import time; time.sleep(30)")
+
+    @staticmethod
+    def _child(code: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    def run_case(self) -> int:
+        """The case: the server dies as scripted for this run (or lives)."""
+        line, status = self.dies[self.runs] if self.runs < len(self.dies) else ("", 0)
+        self.runs += 1
+        if status:
+            with self.log_path.open("a") as f:
+                f.write(line)
+            self.stop()
+            self.proc = self._child(f"raise SystemExit({status})")
+        return self.runs
 
     def log_tail(self, lines: int = 40) -> str:
-        return self.logs[min(self.starts, len(self.logs) - 1)]
-
-    def die(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(134)"])
+        return self.log_path.read_text()
 
     def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.wait()
+        self.proc.kill()
+        self.proc.wait()
 
     def start(self) -> None:
         self.starts += 1
-        self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        self.proc = self._child("import time; time.sleep(30)")
 
     def wait_ready(self, timeout_s: float) -> None:
         pass
 
 
-def test_a_case_that_met_upstreams_abort_runs_again_on_a_restarted_server():
-    server = FakeServer([f"terminate called ... '{UPSTREAM_ABORT}'", "I1203 ready"])
-    runs = []
-
-    def case():
-        runs.append(server.starts)
-        if not runs[1:]:
-            server.die()
-        return len(runs)
-
+def test_a_case_that_met_upstreams_abort_runs_again_on_a_restarted_server(tmp_path):
+    server = FakeServer(tmp_path / "log", [(ABORT_LINE, 134)])
     with pytest.warns(UserWarning, match="upstream"):
-        assert once_more_if_upstream_aborted(server, case) == 2
-    assert runs == [0, 1]  # the second run was on the restarted server
-    server.proc.kill()
+        assert once_more_if_upstream_aborted(server, server.run_case) == 2
+    assert server.starts == 1
+    server.stop()
 
 
-def test_any_other_death_is_not_rerun_and_a_second_abort_fails():
-    server = FakeServer(["Segmentation fault"])
-    server.die()
-    assert once_more_if_upstream_aborted(server, lambda: "got") == "got"  # not rerun
-    twice = FakeServer([UPSTREAM_ABORT])
-
-    def case():
-        twice.die()
-
+def test_other_deaths_and_old_lines_are_not_rerun_and_a_second_abort_fails(tmp_path):
+    segfault = FakeServer(tmp_path / "a", [("Segmentation fault\n", 139)])
+    assert once_more_if_upstream_aborted(segfault, segfault.run_case) == 1  # not rerun
+    old = FakeServer(tmp_path / "b", [("Segmentation fault\n", 139)])
+    with old.log_path.open("a") as f:
+        f.write(ABORT_LINE)  # a stub's abort before the case: not this death
+    assert once_more_if_upstream_aborted(old, old.run_case) == 1
+    twice = FakeServer(tmp_path / "c", [(ABORT_LINE, 134), (ABORT_LINE, 134)])
     with pytest.raises(AssertionError, match="twice"), pytest.warns(UserWarning):
-        once_more_if_upstream_aborted(twice, case)
+        once_more_if_upstream_aborted(twice, twice.run_case)

@@ -245,25 +245,26 @@ class DecodeEngine:
             left = sum(s.prompt_len - s.num_cached_tokens for s in prefilling)
             budget = min(left, max(self.config.burst_prefill_tokens - self._prefilled, 0))
         planned: list[tuple[Sequence, Chunk]] = []
-        computing: set[BlockHash] = set()  # blocks this step's chunks compute (see _in_flight)
+        claims: list[tuple[Sequence, int, int]] = []  # blocks this step's chunks compute
+        finishing = False  # a planned chunk ends its prompt: it decodes from this step on
         for seq in prefilling:
             assert seq.prefill_pos is not None  # (prefilling: it is)
             if budget <= 0:
                 break
             prompt = seq.prompt_ids
             if seq.prefill_pos == 0:  # its first chunk: what is cached now is not computed
-                if self._in_flight(seq, computing):
+                if self._in_flight(seq, claims):
                     continue  # the next step finds those blocks cached
                 seq.prefill_pos = self._reuse(seq)
             n = len(prompt) - seq.prefill_pos
-            if self._others_decoding(seq):  # nobody to keep waiting: the rest at once
+            if finishing or self._others_decoding(seq):  # else nobody waits: the rest at once
                 n = min(budget, n)
             chunk = Chunk(prompt[seq.prefill_pos : seq.prefill_pos + n], seq.prefill_pos, seq.slot)
             planned.append((seq, chunk))
+            finishing = finishing or seq.prefill_pos + n == len(prompt)
             if self.kv_reuse is not None and seq.use_cache:
-                first = seq.prefill_pos // self.kv_reuse.block_size
-                full = (seq.prefill_pos + n) // self.kv_reuse.block_size
-                computing.update(self._hashes(seq)[first:full])
+                bs = self.kv_reuse.block_size
+                claims.append((seq, seq.prefill_pos // bs, (seq.prefill_pos + n) // bs))
             budget -= n
         if not planned:
             return []
@@ -284,15 +285,16 @@ class DecodeEngine:
         assert self.kv_reuse is not None
         return list(self.kv_reuse.hashes(seq.prompt_ids, seq.params.cache_salt))
 
-    def _in_flight(self, seq: Sequence, computing: set[BlockHash]) -> bool:
+    def _in_flight(self, seq: Sequence, claims: list[tuple[Sequence, int, int]]) -> bool:
         """Whether the first block `seq` would compute (past what the prefix cache holds) is
         one another chunk of this step computes: then it waits a step and takes it from the
         cache, instead of computing it twice (16 requests with one system prompt arriving
         together: one computes the system prompt, the others only their own part)."""
-        if not computing or self.kv_reuse is None or not seq.use_cache:
+        if not claims or self.kv_reuse is None or not seq.use_cache:
             return False
         first = self.kv_reuse.peek(seq) // self.kv_reuse.block_size
         hashes = self._hashes(seq)
+        computing = {h for s, lo, hi in claims for h in self._hashes(s)[lo:hi]}
         return first < len(hashes) and hashes[first] in computing
 
     def _reuse(self, seq: Sequence) -> int:

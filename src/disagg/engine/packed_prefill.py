@@ -57,6 +57,10 @@ def _grouped(x: torch.Tensor, lin: Linear | BlockLinear, split: int) -> torch.Te
 def prefill_chunks(model: Llama, chunks: list[Chunk], cache: KVCacheSlots) -> list[torch.Tensor]:
     """The logits of each chunk's last position ([V] each, in the order given); every chunk's
     K/V written into its slot, as `prefill_chunk` would for each."""
+    if not chunks or not all(c.token_ids for c in chunks):
+        raise ValueError("prefill_chunks: give at least one chunk, each of at least one token")
+    if len({c.slot for c in chunks}) < len(chunks):
+        raise ValueError("prefill_chunks: one chunk per slot (a later one would read stale K/V)")
     a = model.args
     dev = model.device
     # blocks-sized chunks first: each kernel's rows form one contiguous group
@@ -92,7 +96,7 @@ def prefill_chunks(model: Llama, chunks: list[Chunk], cache: KVCacheSlots) -> li
             )  # [1, H, n, D]
             outs.append(o[0].transpose(0, 1).reshape(n, -1))
         x = x + _grouped(torch.cat(outs), layer.wo, small)
-        x = x + _mlp(model, layer, x, small)
+        x = x + _mlp(model, layer, x, small, bounds)
     last = torch.stack([x[b - 1] for b in bounds[1:]])  # [chunks, dim]
     h = rms_norm(last, model.norm, a.norm_eps)
     logits = torch.cat(
@@ -118,7 +122,13 @@ def _qkv(
     return q, k, v.view(-1, a.n_kv_heads, a.head_dim)
 
 
-def _mlp(model: Llama, layer: Any, x: torch.Tensor, split: int) -> torch.Tensor:
+def _mlp(model: Llama, layer: Any, x: torch.Tensor, split: int, bounds: list[int]) -> torch.Tensor:
     h = rms_norm(x, layer.ffn_norm, model.args.norm_eps)
     gate, up = _grouped(h, layer.w13, split).chunk(2, dim=-1)
-    return _grouped(F.silu(gate) * up, layer.w2, split)
+    # SiLU chunk by chunk: torch splits an elementwise op among its threads by element count
+    # and ends each part with a scalar exp, so one call over all rows could round an element
+    # differently from the chunk's own call (the same shape and strides as prefill_chunk's)
+    act = torch.cat(
+        [F.silu(gate[lo:hi]) * up[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+    )
+    return _grouped(act, layer.w2, split)

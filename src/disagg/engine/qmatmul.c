@@ -12,8 +12,9 @@
  * y[r, n] = sum_j w_j x[r, j] with fma, eight partial sums (lanes) folded at the end. Only
  * the blocks stream from memory: 0.75 byte a weight for Q4_1 against 4 for fp32, which is
  * what bounds a decode step. Up to ROWS rows share one expansion of a column in registers;
- * more rows expand two columns at a time into a per-thread buffer (L1) and run a 4x2
- * register tile over it, so a column's blocks are read from memory once whatever M is.
+ * more rows expand TCOLS columns at a time into a per-thread buffer (3 x 4 x k bytes: L1
+ * for k <= ~2,700) and run a 4 x TCOLS register tile over it, so a column's blocks are read
+ * from memory once whatever M is.
  *
  * Batch invariant by construction: a row's result is the same sequence of operations on its
  * own accumulators whatever the other rows are (no reassociation: no -ffast-math; every
