@@ -21,8 +21,9 @@ def _ids(n: int, seed: int) -> list[int]:
 
 
 # (tokens, start): a blocks-sized chunk after cached positions, one prompt's first dense-sized
-# chunk, a single token, a dense-sized chunk after cached positions, one exactly DIRECT_ROWS
-SHAPES = [(40, 96), (150, 0), (1, 7), (DIRECT_ROWS + 1, 32), (DIRECT_ROWS, 0)]
+# chunk, a single token, a dense-sized chunk after cached positions, one exactly DIRECT_ROWS,
+# 87 rows split unevenly among 5 threads
+SHAPES = [(40, 96), (150, 0), (1, 7), (DIRECT_ROWS + 1, 32), (DIRECT_ROWS, 0), (87, 3)]
 
 
 def _prefix(model, cache, slot: int, start: int, seed: int) -> None:
@@ -30,8 +31,19 @@ def _prefix(model, cache, slot: int, start: int, seed: int) -> None:
         model.prefill_chunk(_ids(start, seed + 100), 0, cache, slot)
 
 
-@pytest.mark.parametrize("weights", ["auto", "float32"])
-def test_a_pack_of_chunks_equals_each_chunk_alone(engine_dir, llm, weights):
+@pytest.fixture
+def threads(request):
+    """torch's thread count for the test (elementwise ops split their work by it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    ("weights", "threads"), [("auto", 2), ("float32", 2), ("auto", 5)], indirect=["threads"]
+)
+def test_a_pack_of_chunks_equals_each_chunk_alone(engine_dir, llm, weights, threads):
     model = llm.model if weights == "auto" else Llama.load(engine_dir, weights="float32")
     chunks = [Chunk(_ids(n, i), start, slot=i) for i, (n, start) in enumerate(SHAPES)]
     alone = KVCacheSlots(model.args, len(SHAPES), 512)
