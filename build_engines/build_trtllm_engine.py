@@ -12,6 +12,11 @@ first, decode on the next, or both sharing GPU 0 (with KV fractions that fit) on
 A device list naming a GPU the machine lacks is refused; building elsewhere, say how many the
 serving machine has with --num-gpus (disagg serve checks again at start).
 
+Quantization: TensorRT-LLM's PyTorch backend loads weights as the checkpoint stores them, so
+--quantization fp8 / int4_awq names what the checkpoint must hold (a ModelOpt export, checked
+against its hf_quant_config.json; the error says how to make one), and --kv-cache-dtype fp8
+keeps both pools' KV cache in FP8. With GPUs counted here, the pools' GPUs are checked too.
+
 Keep the checkpoint under ./checkpoints and the output under ./engines: serve.toml then holds
 paths relative to the checkout, which the compose `gpu` service mounts at the same place.
 --dry-run prints every file and changes nothing. Needs no GPU (TensorRT-LLM is only imported
@@ -27,8 +32,9 @@ from pathlib import Path
 
 from disagg.engine.hf import write_serving_metadata
 from disagg.errors import ConfigError
-from disagg.trtllm import gpus
+from disagg.trtllm import gpus, quantization
 from disagg.trtllm.build import TRANSCEIVERS, BuildSpec, PoolSpec, describe, files
+from disagg.trtllm.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 def _devices(text: str) -> tuple[int, ...]:
@@ -44,6 +50,25 @@ def default_devices(world: dict[str, int], num_gpus: int | None) -> dict[str, tu
     pre, dec = world["prefill"], world["decode"]
     start = pre if num_gpus is None or pre + dec <= num_gpus else 0
     return {"prefill": tuple(range(pre)), "decode": tuple(range(start, start + dec))}
+
+
+def check_quantization(
+    spec: BuildSpec, devices: dict[str, tuple[int, ...]], caps: list[tuple[int, int]] | None
+) -> str:
+    """The checkpoint against --quantization / --kv-cache-dtype, and the pools' GPUs (`caps`,
+    None where not known here) against what they will run: the line the plan prints."""
+    if not spec.checkpoint.is_dir():  # (a dry run for elsewhere; the build itself needs it)
+        return f"# quantization: not checked, {spec.checkpoint} is not here"
+    found = quantization.read_checkpoint(spec.checkpoint)
+    quantization.check_checkpoint(found, spec.quantization, spec.kv_cache_dtype, spec.checkpoint)
+    needs = quantization.gpu_requirements(found, spec.kv_cache_dtype)
+    line = f"# checkpoint: {found.describe()}"
+    if needs and caps is None:
+        return line + "; not checked against the pools' GPUs (not counted here)"
+    if needs and caps is not None:
+        quantization.check_gpus(needs, devices, caps)
+        line += "; checked against the pools' GPUs"
+    return line
 
 
 def parse(argv: list[str] | None) -> tuple[BuildSpec, bool, str]:
@@ -83,6 +108,13 @@ def parse(argv: list[str] | None) -> tuple[BuildSpec, bool, str]:
         p.add_argument(f"--{role}-kv-fraction", type=float, default=None,
                        help="free GPU memory for its KV cache (default: 0.85 on its own GPU, "
                             "0.3 prefill / 0.55 decode when they share one)")  # fmt: skip
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                   help="what the checkpoint must hold: fp8 or int4_awq (made with NVIDIA "
+                        "ModelOpt: TensorRT-LLM's PyTorch backend quantizes nothing), none, "
+                        "or auto (whatever it holds)")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="fp8: both pools keep the KV cache in FP8; auto: as the checkpoint "
+                        "says (16-bit unless it was quantized with an FP8 KV cache)")  # fmt: skip
     p.add_argument("--decode-host-cache-gb", type=float, default=0.0,
                    help="KV cache offload: host memory for blocks evicted from the decode "
                         "pool's GPU memory (0: off)")  # fmt: skip
@@ -122,10 +154,18 @@ def parse(argv: list[str] | None) -> tuple[BuildSpec, bool, str]:
             max_seq_len=a.max_seq_len,
             transceiver=a.transceiver,
             kv_reuse=not a.no_kv_reuse,
+            quantization=a.quantization,
+            kv_cache_dtype=a.kv_cache_dtype,
             prefill=pool("prefill"),
             decode=pool("decode"),
         )
     except ValueError as e:
+        p.error(str(e))
+    # capabilities of the GPUs counted here; --num-gpus: built for a machine not this one
+    caps = gpus.compute_capabilities() if a.num_gpus is None and num_gpus is not None else None
+    try:
+        note += "\n" + check_quantization(spec, devices, caps)
+    except ConfigError as e:
         p.error(str(e))
     return spec, a.dry_run, note
 
@@ -153,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     # what the options were written for (disagg doctor compares it with the serving image)
-    record = {"tensorrt_llm": installed_tensorrt_llm(), "transceiver": spec.transceiver}
+    record = {
+        "tensorrt_llm": installed_tensorrt_llm(),
+        "transceiver": spec.transceiver,
+        "quantization": spec.quantization,
+        "kv_cache_dtype": spec.kv_cache_dtype,
+    }
     (spec.out_dir / "build.json").write_text(json.dumps(record, indent=2) + "\n")
     print(f"done: python -m disagg serve --config {spec.out_dir / 'serve.toml'}", file=sys.stderr)
     return 0

@@ -396,3 +396,152 @@ def test_the_context_transfer_timeout_is_set_where_the_library_has_one(tmp_path,
     assert llm.options["cache_transceiver_config"]["kv_transfer_timeout_ms"] == 30_000
     llm = decode_engine(_params(tmp_path, options)).llm  # the generation side waits as before
     assert "kv_transfer_timeout_ms" not in llm.options["cache_transceiver_config"]
+
+
+def _modelopt_export(ckpt: Path, quant_algo: str, kv_cache_quant_algo: str | None = None) -> Path:
+    """`ckpt` made into what ModelOpt's hf_ptq.py exports (hf_quant_config.json beside the
+    weights), as a checkpoint of `quant_algo` (QuantAlgo's spelling)."""
+    quant = {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo,
+             "exclude_modules": ["lm_head"]}  # fmt: skip
+    if quant_algo == "W4A16_AWQ":
+        quant |= {"group_size": 128, "has_zero_point": False, "pre_quant_scale": True}
+    config = {"producer": {"name": "modelopt", "version": "0.35.0"}, "quantization": quant}
+    (ckpt / "hf_quant_config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    "algo, quantization, kv_dtype",
+    [("FP8", "fp8", "fp8"), ("W4A16_AWQ", "int4_awq", "auto"), (None, "none", "fp8")],
+)
+def test_quantized_builds_reach_llm_with_the_names_1_0_reads(
+    tmp_path, checkpoint, trt, algo, quantization, kv_dtype
+):
+    """The weights' quantization is the checkpoint's (no option carries it: 1.0's TorchLlmArgs
+    has no quant_config), checked by the build; the KV cache dtype goes down as
+    kv_cache_config.dtype, the same on both pools."""
+    if algo:
+        _modelopt_export(checkpoint, algo)
+    out = tmp_path / "engines" / "q"
+    r = run("--checkpoint", str(checkpoint), "--out", str(out), "--num-gpus", "2",
+            "--quantization", quantization, "--kv-cache-dtype", kv_dtype)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert f"# quantization: {quantization}" in r.stdout
+    described = f"quantized {algo} (hf_quant_config.json)" if algo else "not quantized"
+    assert f"# checkpoint: {described}; not checked against the pools' GPUs" in r.stdout
+    assert json.loads((out / "build.json").read_text())["quantization"] == quantization
+    from disagg.trtllm.runtime import decode_engine, prefill_engine
+
+    for role, build in (("prefill", prefill_engine), ("decode", decode_engine)):
+        options = yaml.safe_load((out / f"{role}.yaml").read_text())
+        assert "quant_config" not in options  # TorchLlmArgs would refuse it (the double too)
+        if kv_dtype == "auto":
+            assert "dtype" not in options["kv_cache_config"]  # upstream's default: auto
+        else:
+            assert options["kv_cache_config"]["dtype"] == kv_dtype
+        llm = build(_params(tmp_path, options, **{f"trtllm_{role}_model": str(checkpoint)})).llm
+        assert llm.model == str(checkpoint)  # the double read its hf_quant_config.json
+        assert llm.options["kv_cache_config"].get("dtype", "auto") == kv_dtype
+
+
+def test_a_checkpoint_that_does_not_hold_the_asked_quantization_is_refused(tmp_path, checkpoint):
+    def refused(*args: str) -> str:
+        r = run("--checkpoint", str(checkpoint), "--out", str(tmp_path / "o"), "--dry-run", *args)
+        assert r.returncode == 2, r.stdout
+        return r.stderr
+
+    err = refused("--quantization", "fp8")  # an unquantized checkpoint: nothing quantizes it
+    assert "is not quantized, not FP8" in err and "quantizes nothing itself" in err
+    assert f"hf_ptq.py --pyt_ckpt_path {checkpoint} --qformat fp8" in err
+    _modelopt_export(checkpoint, "FP8", "FP8")
+    err = refused("--quantization", "int4_awq")
+    assert "is quantized FP8, KV cache FP8 (hf_quant_config.json), not W4A16_AWQ" in err
+    assert "from the unquantized model" in err and "--qformat int4_awq" in err
+    assert "loads it quantized whatever the options say" in refused("--quantization", "none")
+    assert "invalid choice: 'int8'" in refused("--quantization", "int8")
+    _modelopt_export(checkpoint, "FP8", "NVFP4")
+    assert "stores its KV cache as NVFP4" in refused("--kv-cache-dtype", "fp8")
+    (checkpoint / "hf_quant_config.json").unlink()
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (checkpoint / "config.json").write_text(json.dumps(config))  # AutoAWQ's form
+    assert "quant_method 'awq', which TensorRT-LLM 1.0's PyTorch" in refused()
+    r = run("--checkpoint", "/models/llama", "--out", str(tmp_path / "o"), "--dry-run",
+            "--quantization", "fp8")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "# quantization: not checked, /models/llama is not here" in r.stdout
+
+
+def test_the_double_refuses_what_1_0_refuses_of_a_quantized_checkpoint(tmp_path, checkpoint, trt):
+    """What the build's refusals stand in front of: 1.0 fails these at load."""
+    with pytest.raises(ValueError, match="Extra inputs"):
+        trt.LLM(str(checkpoint), quant_config={"quant_algo": "FP8"})  # TensorRT backend only
+    with pytest.raises(ValueError, match="invalid type"):
+        trt.LLM(str(checkpoint), kv_cache_config={"dtype": "int8"})
+    _modelopt_export(checkpoint, "FP8", "NVFP4")
+    with pytest.raises(ValueError, match="conflicting with kv_cache_quant_algo=NVFP4"):
+        trt.LLM(str(checkpoint), kv_cache_config={"dtype": "fp8"})
+    trt.LLM(str(checkpoint), kv_cache_config={"dtype": "auto"})
+    (checkpoint / "hf_quant_config.json").unlink()
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq"}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="Unsupported quantization_config"):
+        trt.LLM(str(checkpoint))
+
+
+def _smi_with_capabilities(tmp_path, caps: list[str]) -> dict:
+    """An environment whose nvidia-smi lists len(caps) GPUs and answers compute_cap queries."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    indexes = "".join(f"echo {i}\n" for i in range(len(caps)))
+    answers = "".join(f"echo {c}\n" for c in caps)
+    smi.write_text(f'#!/bin/sh\ncase "$*" in\n*compute_cap*)\n{answers};;\n*)\n{indexes};;\nesac\n')
+    smi.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_the_pools_gpus_are_checked_against_what_they_will_run(tmp_path, checkpoint):
+    """FP8 needs Ada or later; 1.0's matrix lists W4A16 AWQ for Ampere to Hopper only."""
+    args = [sys.executable, str(SCRIPT), "--checkpoint", str(checkpoint),
+            "--out", str(tmp_path / "o"), "--dry-run"]  # fmt: skip
+
+    def build(caps: list[str], *extra: str) -> subprocess.CompletedProcess:
+        env = _smi_with_capabilities(tmp_path, caps)
+        return subprocess.run([*args, *extra], env=env, capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+
+    r = build(["8.0", "8.0"], "--kv-cache-dtype", "fp8")  # FP8 KV cache: Ampere is fine
+    assert r.returncode == 0, r.stderr
+    assert "# checkpoint: not quantized; checked against the pools' GPUs" in r.stdout
+    _modelopt_export(checkpoint, "FP8")
+    r = build(["9.0", "8.0"])  # decode lands on the A100
+    assert r.returncode == 2
+    assert "the decode pool's GPU 1 is sm80" in r.stderr and "runs FP8 weights on Ada" in r.stderr
+    assert build(["9.0", "8.9"]).returncode == 0
+    r = build(["8.0", "8.0"], "--num-gpus", "2")  # built for another machine: not checked
+    assert r.returncode == 0 and "not checked against the pools' GPUs" in r.stdout
+    _modelopt_export(checkpoint, "W4A16_AWQ")
+    assert build(["8.6", "9.0"]).returncode == 0
+    r = build(["10.0", "10.0"], "--quantization", "int4_awq")
+    assert r.returncode == 2 and "GPU 0 is sm100" in r.stderr
+
+
+def test_gpu_capabilities_come_from_nvidia_smi():
+    from disagg.trtllm import gpus
+
+    assert gpus.compute_capabilities(lambda cmd: (0, "9.0\n8.9\n")) == [(9, 0), (8, 9)]
+    assert gpus.compute_capabilities(lambda cmd: (0, "0\n1\n")) is None  # not an answer
+    assert gpus.compute_capabilities(lambda cmd: (127, "")) is None
+
+
+def test_build_spec_refuses_an_unknown_quantization():
+    from disagg.trtllm.build import BuildSpec
+
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        BuildSpec(checkpoint=Path("c"), out_dir=Path("o"), quantization="int8")
+    with pytest.raises(ValueError, match="kv cache dtype must be one of"):
+        BuildSpec(checkpoint=Path("c"), out_dir=Path("o"), kv_cache_dtype="nvfp4")

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from disagg.settings import ROOT
+from disagg.trtllm.quantization import KV_CACHE_DTYPES, QUANTIZATIONS
 
 TRANSCEIVERS = ("UCX", "NIXL", "DEFAULT")  # written uppercase; runtime.py respells per version
 SHARED_GPU_FRACTIONS = {"prefill": 0.3, "decode": 0.55}  # both pools on one GPU: sum < 0.9
@@ -52,6 +53,10 @@ class BuildSpec:
     transceiver: str = "UCX"
     # KV block reuse (prefix caching) on both pools, with KV cache events for a router
     kv_reuse: bool = True
+    # what the checkpoint must hold (quantization.py: TensorRT-LLM loads it as stored and
+    # quantizes nothing; auto: whatever it holds), and the KV cache dtype of both pools
+    quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     prefill: PoolSpec = PoolSpec(max_batch_size=8, max_num_tokens=8192, devices=(0,))
     decode: PoolSpec = field(
         default_factory=lambda: PoolSpec(max_batch_size=128, max_num_tokens=512, devices=(1,))
@@ -60,6 +65,14 @@ class BuildSpec:
     def __post_init__(self) -> None:
         if self.transceiver.upper() not in TRANSCEIVERS:
             raise ValueError(f"transceiver must be one of {TRANSCEIVERS}, got {self.transceiver!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv cache dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         for role in ("prefill", "decode"):
             pool = self.pool(role)
             world = pool.tensor_parallel * pool.pipeline_parallel
@@ -97,7 +110,7 @@ class BuildSpec:
 
 def llm_api_options(spec: BuildSpec, role: str) -> dict[str, Any]:
     pool = spec.pool(role)
-    kv_cache: dict[str, float | int | bool] = {
+    kv_cache: dict[str, float | int | bool | str] = {
         "free_gpu_memory_fraction": spec.fraction(role),
         # 1.0's default is on; written down so the build says what the pools do, and off
         # with --no-kv-reuse (a prompt's blocks then serve it alone)
@@ -105,6 +118,10 @@ def llm_api_options(spec: BuildSpec, role: str) -> dict[str, Any]:
         # 0 keeps no events; upstream emits them only with reuse on
         "event_buffer_max_size": KV_EVENT_BUFFER if spec.kv_reuse else 0,
     }
+    if spec.kv_cache_dtype != "auto":
+        # 1.0's KvCacheConfig.dtype (PyTorch backend only): fp8 stores both pools' KV cache
+        # in FP8 (kv_cache_quant_algo FP8); auto, the default, follows the checkpoint
+        kv_cache["dtype"] = spec.kv_cache_dtype
     if pool.host_cache_gb > 0:
         # blocks evicted from GPU memory stay reusable in host memory (secondary pool)
         kv_cache["host_cache_size"] = int(pool.host_cache_gb * 2**30)
@@ -179,6 +196,10 @@ def outside_checkout(spec: BuildSpec) -> list[Path]:
 
 def describe(spec: BuildSpec) -> str:
     lines = [f"# TensorRT-LLM (PyTorch backend) for disagg -> {spec.out_dir}"]
+    lines.append(
+        f"# quantization: {spec.quantization} (weights as {spec.checkpoint} stores them: "
+        f"checked, not made here), KV cache dtype: {spec.kv_cache_dtype}"
+    )
     lines.append(
         f"# write {spec.engine_dir}/: config.json and tokenizer files from {spec.checkpoint}"
     )

@@ -34,6 +34,21 @@ def count_gpus(run: Runner = _run) -> int | None:
     return sum(1 for line in out.splitlines() if line.strip().isdigit())
 
 
+def compute_capabilities(run: Runner = _run) -> list[tuple[int, int]] | None:
+    """Each GPU's compute capability, (9, 0) for a Hopper, in nvidia-smi's order; None where
+    nvidia-smi is missing, fails or answers something else (a driver without `compute_cap`)."""
+    rc, out = run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"])
+    if rc != 0:
+        return None
+    caps: list[tuple[int, int]] = []
+    for line in filter(None, (raw.strip() for raw in out.splitlines())):
+        major, dot, minor = line.partition(".")
+        if not (dot and major.isdigit() and minor.isdigit()):
+            return None
+        caps.append((int(major), int(minor)))
+    return caps or None
+
+
 def parse_devices(devices: str, what: str) -> list[int]:
     """ "0,1" -> [0, 1]; "" -> [] (whatever the process was started with)."""
     if not devices.strip():

@@ -12,7 +12,11 @@ And it refuses what the real library refuses (TensorRT-LLM 1.0, checked against 
 not one, or a transceiver backend of the wrong case (llmapi/llm_args.py); SamplingParams
 with an unknown field (a kw-only dataclass upstream too); a generate keyword 1.0 lacks
 (`cache_salt`); and a prompt longer than max_num_tokens that is not generation-only, unless
-chunked prefill is on (llmapi/llm.py, _check_arguments).
+chunked prefill is on (llmapi/llm.py, _check_arguments). A `quant_config` option is refused
+(TorchLlmArgs has none: 1.0's PyTorch backend loads weights as the checkpoint stores them), a
+KV cache dtype other than auto / fp8 / nvfp4 too, and a checkpoint directory whose
+quantization the PyTorch path cannot load or whose KV cache algorithm conflicts with
+`kv_cache_config.dtype` (upstream llmapi/llm_utils.py; here llmapi/llm_utils.py too).
 
 It fails the way the real one fails where disagg must cope: a context whose generation half
 never comes keeps its KV blocks held (`held_contexts`) until the transfer ends; an abort of
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from tensorrt_llm.llmapi import DisaggregatedParams, GuidedDecodingParams, llm_args
+from tensorrt_llm.llmapi.llm_utils import update_from_hf_quant_config
 
 __all__ = ["LLM", "SamplingParams", "DisaggregatedParams"]
 __version__ = "1.0.0"
@@ -177,9 +182,15 @@ def _check_options(options: dict) -> None:
         if extra:
             raise ValueError(f"{key}: extra inputs are not permitted: {sorted(extra)}")
     kv = options.get("kv_cache_config") or {}
-    for name, kind in (("enable_block_reuse", bool), ("event_buffer_max_size", int)):
+    typed = (("enable_block_reuse", bool), ("event_buffer_max_size", int), ("dtype", str))
+    for name, kind in typed:
         if name in kv and not isinstance(kv[name], kind):
             raise ValueError(f"kv_cache_config.{name}: input should be a valid {kind.__name__}")
+    if kv.get("dtype", "auto") not in llm_args.KV_CACHE_DTYPES:  # at model load upstream
+        raise ValueError(
+            f'Overriding KV cache quantization with an invalid type "{kv["dtype"]}". '
+            f"Accepted types are {llm_args.KV_CACHE_DTYPES}."
+        )
     backend = (options.get("cache_transceiver_config") or {}).get("backend")
     annotation = llm_args.CacheTransceiverConfig.model_fields["backend"].annotation
     literal = next(a for a in typing.get_args(annotation) if a is not type(None))
@@ -239,6 +250,8 @@ class LLM:
 
     def __init__(self, model: str, **options) -> None:
         _check_options(options)
+        kv_dtype = (options.get("kv_cache_config") or {}).get("dtype", "auto")
+        update_from_hf_quant_config(model, kv_dtype)  # before the weights, as upstream
         self.model, self.options = model, options
         self.calls: list[tuple[str, list[int], SamplingParams, DisaggregatedParams | None]] = []
         self._ids = itertools.count(1000 + 1000 * len(LLM.instances))

@@ -39,6 +39,9 @@ KV_CACHE_FIELDS = _names(
     copy_on_partial_reuse use_uvm dtype"""
 )
 TRANSCEIVER_FIELDS = frozenset({"backend", "max_tokens_in_buffer"})
+# KvCacheConfig.dtype is a free str in 1.0, checked when the model loads against
+# _VALID_KV_CACHE_DTYPES (_torch/pyexecutor/model_loader.py; nvfp4 needs a checkpoint with it)
+KV_CACHE_DTYPES = ("fp8", "nvfp4", "auto")
 
 
 class _Field:
