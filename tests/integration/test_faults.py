@@ -195,8 +195,12 @@ def test_an_orchestrator_crash_ends_router_and_gateway_requests_and_frees_decode
     sequences: their responses would pile up for a dead process until decode's sends block."""
     server, gateway = stack
     calls = {k: v for k, v in _long_requests(server, gateway).items() if "ensemble" not in k}
-    (victim,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "orchestrator"]
-    out, killed = _kill_under_load(server, calls, victim)
+
+    def killed_run() -> tuple[Outcomes, float]:
+        (victim,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "orchestrator"]
+        return _kill_under_load(server, calls, victim)
+
+    out, killed = once_more_if_upstream_aborted(server, killed_run)
     # a non-streamed gateway request has sent nothing to its client: the gateway may try it
     # again while Triton reports the orchestrator unavailable (gateway/backend.py RETRY_S, 5
     # s), and on a fast machine the orchestrator is back within that window: it completes
@@ -225,9 +229,15 @@ def test_a_second_turn_after_a_decode_restart_is_handed_off_whole_and_replies_th
     ask = {"model": MODEL, "max_tokens": 10, "temperature": 0.0}
     system = "You are the ferry's purser: tickets, cabins, the timetable and the bar. " * 8
     turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "A cabin?"}]
-    r1 = oa.chat.completions.create(messages=turn1, **ask)
-    (decode,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "decode"]
-    os.kill(decode, signal.SIGKILL)
+
+    def killed_run():
+        r1 = oa.chat.completions.create(messages=turn1, **ask)
+        (decode,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "decode"]
+        os.kill(decode, signal.SIGKILL)
+        time.sleep(1.0)  # (an abort of tritonserver itself shows by then)
+        return r1
+
+    r1 = once_more_if_upstream_aborted(server, killed_run)
     _serves_again(server)
     misses = scrape(server.endpoints.metrics, "disagg_kv_handoff_prefix_misses_total")
     turn2 = turn1 + [
