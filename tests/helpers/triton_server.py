@@ -54,9 +54,10 @@ def start_with(settings):
 
 # tritonserver's own death when a stub is killed while it holds one of the Python backend's
 # shared-memory locks: "terminate called after throwing an instance of
-# 'boost::interprocess::lock_exception'" from libtriton_python.so (seen once in many decode
-# kills, in CI). Upstream's crash, not ours: `disagg serve` answers it by starting tritonserver
-# again (tests/integration/test_serve_cli.py kills tritonserver and checks that).
+# 'boost::interprocess::lock_exception'" from libtriton_python.so (seen in CI at a decode and
+# at an orchestrator kill: docs/reliability.md). Upstream's crash, not ours: `disagg serve`
+# answers it by starting tritonserver again (tests/integration/test_serve_cli.py kills
+# tritonserver and checks that).
 UPSTREAM_ABORT = "boost::interprocess::lock_exception"
 
 

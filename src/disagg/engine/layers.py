@@ -1,4 +1,5 @@
-"""The row-wise pieces of a Llama layer: RMSNorm and rotary position embeddings. Each row's
+"""The row-wise pieces of a Llama layer: RMSNorm, rotary position embeddings and the split of
+the fused QKV projection. Each row's
 result depends on that row alone, so the model (model.py) and the packed prefill
 (packed_prefill.py) share them without changing any row's bits."""
 
@@ -30,3 +31,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # x: [..., D]; cos/sin broadcast to it. rotate_half(x) = [-x2, x1]; the minus is in sin.
     half = x.shape[-1] // 2
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def split_qkv(
+    args: ModelArgs, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection's rows [M, (H + 2 H_kv) D] -> q [M, H, D], k/v [M, H_kv, D], with
+    RoPE applied to q and k (cos/sin: [M, 1, D])."""
+    a = args
+    sizes = [(a.n_heads + a.n_kv_heads) * a.head_dim, a.n_kv_heads * a.head_dim]
+    # (the ignores: torch leaves Tensor.split unannotated)
+    qk, v = qkv.split(sizes, -1)  # type: ignore[no-untyped-call]
+    qk = apply_rope(qk.view(-1, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin)
+    q, k = qk.split([a.n_heads, a.n_kv_heads], dim=1)  # type: ignore[no-untyped-call]
+    return q, k, v.view(-1, a.n_kv_heads, a.head_dim)

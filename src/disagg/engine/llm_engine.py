@@ -41,6 +41,8 @@ from disagg.engine.sequence import (
 )
 from disagg.errors import ConfigError, RequestError
 
+Claim = tuple[Sequence, int, int]  # a chunk's sequence and the blocks [lo, hi) it computes
+HashMemo = dict[str, list[BlockHash]]  # request id -> its prompt's block hashes
 __all__ = ["DecodeEngine", "PrefillEngine", "PrefillResult", "TokenOutput", "resolve_seed"]
 
 
@@ -245,7 +247,8 @@ class DecodeEngine:
             left = sum(s.prompt_len - s.num_cached_tokens for s in prefilling)
             budget = min(left, max(self.config.burst_prefill_tokens - self._prefilled, 0))
         planned: list[tuple[Sequence, Chunk]] = []
-        claims: list[tuple[Sequence, int, int]] = []  # blocks this step's chunks compute
+        claims: list[Claim] = []  # blocks this step's chunks compute
+        hashes: HashMemo = {}  # each prompt's block hashes, once a step
         finishing = False  # a planned chunk ends its prompt: it decodes from this step on
         for seq in prefilling:
             assert seq.prefill_pos is not None  # (prefilling: it is)
@@ -253,7 +256,7 @@ class DecodeEngine:
                 break
             prompt = seq.prompt_ids
             if seq.prefill_pos == 0:  # its first chunk: what is cached now is not computed
-                if self._in_flight(seq, claims):
+                if self._in_flight(seq, claims, hashes):
                     continue  # the next step finds those blocks cached
                 seq.prefill_pos = self._reuse(seq)
             n = len(prompt) - seq.prefill_pos
@@ -281,21 +284,22 @@ class DecodeEngine:
                 done.append(seq)
         return done
 
-    def _hashes(self, seq: Sequence) -> list[BlockHash]:
-        assert self.kv_reuse is not None
-        return list(self.kv_reuse.hashes(seq.prompt_ids, seq.params.cache_salt))
-
-    def _in_flight(self, seq: Sequence, claims: list[tuple[Sequence, int, int]]) -> bool:
-        """Whether the first block `seq` would compute (past what the prefix cache holds) is
-        one another chunk of this step computes: then it waits a step and takes it from the
-        cache, instead of computing it twice (16 requests with one system prompt arriving
-        together: one computes the system prompt, the others only their own part)."""
+    def _in_flight(self, seq: Sequence, claims: list[Claim], hashes: HashMemo) -> bool:
+        """Whether the first block `seq` would compute (past its cached prefix) is one another
+        chunk of this step computes: then `seq` waits a step and takes it from the cache
+        instead of computing it twice (prompts sharing a system prompt, arriving together)."""
         if not claims or self.kv_reuse is None or not seq.use_cache:
             return False
-        first = self.kv_reuse.peek(seq) // self.kv_reuse.block_size
-        hashes = self._hashes(seq)
-        computing = {h for s, lo, hi in claims for h in self._hashes(s)[lo:hi]}
-        return first < len(hashes) and hashes[first] in computing
+        reuse = self.kv_reuse
+
+        def of(s: Sequence) -> list[BlockHash]:
+            if s.request_id not in hashes:
+                hashes[s.request_id] = reuse.hashes(s.prompt_ids, s.params.cache_salt)
+            return hashes[s.request_id]
+
+        first = reuse.peek(seq) // reuse.block_size
+        computing = {h for s, lo, hi in claims for h in of(s)[lo:hi]}
+        return first < len(of(seq)) and of(seq)[first] in computing
 
     def _reuse(self, seq: Sequence) -> int:
         """Copy what the prefix cache holds of the prompt into the slot: how many tokens."""

@@ -43,7 +43,7 @@ from disagg.engine.kernels import (
     resolve_compute_dtype,
     resolve_device,
 )
-from disagg.engine.layers import apply_rope, rms_norm, rope_tables
+from disagg.engine.layers import rms_norm, rope_tables, split_qkv
 from disagg.engine.packed_prefill import Chunk
 from disagg.engine.quant import QuantLinear
 from disagg.errors import ConfigError
@@ -240,15 +240,8 @@ class Llama:
         self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [M, dim] -> q [M, H, D], k/v [M, H_kv, D], with RoPE applied to q and k."""
-        a = self.args
-        h = rms_norm(x, layer.attn_norm, a.norm_eps)
-        qkv = linear(h, layer.wqkv)  # [M, (H + 2 H_kv) D]
-        sizes = [(a.n_heads + a.n_kv_heads) * a.head_dim, a.n_kv_heads * a.head_dim]
-        # (the ignores: torch leaves Tensor.split unannotated)
-        qk, v = qkv.split(sizes, -1)  # type: ignore[no-untyped-call]
-        qk = apply_rope(qk.view(-1, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin)
-        q, k = qk.split([a.n_heads, a.n_kv_heads], dim=1)  # type: ignore[no-untyped-call]
-        return q, k, v.view(-1, a.n_kv_heads, a.head_dim)
+        h = rms_norm(x, layer.attn_norm, self.args.norm_eps)
+        return split_qkv(self.args, linear(h, layer.wqkv), cos, sin)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, layer.ffn_norm, self.args.norm_eps)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from disagg.engine.fused_decode import KVCacheSlots, Llama  # what both read of model.py
 from disagg.engine.kernels import BlockLinear, Linear, linear
-from disagg.engine.layers import apply_rope, rms_norm
+from disagg.engine.layers import rms_norm, split_qkv
 from disagg.engine.quant import DIRECT_ROWS, qlinear
 
 
@@ -112,14 +112,8 @@ def _qkv(
     model: Llama, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, split: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """model._qkv with the fused projection made per kernel group."""
-    a = model.args
-    h = rms_norm(x, layer.attn_norm, a.norm_eps)
-    qkv = _grouped(h, layer.wqkv, split)
-    sizes = [(a.n_heads + a.n_kv_heads) * a.head_dim, a.n_kv_heads * a.head_dim]
-    qk, v = qkv.split(sizes, -1)  # type: ignore[no-untyped-call]  # torch: unannotated
-    qk = apply_rope(qk.view(-1, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin)
-    q, k = qk.split([a.n_heads, a.n_kv_heads], dim=1)  # type: ignore[no-untyped-call]
-    return q, k, v.view(-1, a.n_kv_heads, a.head_dim)
+    h = rms_norm(x, layer.attn_norm, model.args.norm_eps)
+    return split_qkv(model.args, _grouped(h, layer.wqkv, split), cos, sin)
 
 
 def _mlp(model: Llama, layer: Any, x: torch.Tensor, split: int, bounds: list[int]) -> torch.Tensor:
