@@ -46,6 +46,15 @@ OK, UNKNOWN, REFUSED = 0, 1, 2
 _REQUEST = struct.Struct("<4s4s16s32s")
 _REPLY = struct.Struct("<BQ")
 CHUNK = 4 << 20  # bytes per send/recv call
+# A pull runs on decode's request path, so a lost path must cost seconds, not the whole
+# `timeout_s`: a KV server that does not take a connection in CONNECT_TIMEOUT_S (a SYN and two
+# resends on a lossy link), or a transfer that receives nothing for STALL_TIMEOUT_S, has lost
+# its path (a partition); decode then prefills the prompt itself. After a connect fails,
+# pulls from that address fail at once for UNREACHABLE_HOLD_S, then it is tried again (a
+# healed partition needs no restart).
+CONNECT_TIMEOUT_S = 3.0
+STALL_TIMEOUT_S = 5.0
+UNREACHABLE_HOLD_S = 5.0
 
 
 def token_digest(token: str) -> bytes:
@@ -219,21 +228,61 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_into(conn: socket.socket, view: memoryview) -> None:
+def _recv_into(conn: socket.socket, view: memoryview, deadline: float = float("inf")) -> None:
     got = 0
     while got < len(view):
+        if time.monotonic() > deadline:
+            raise KVPayloadError(f"KV transfer too slow: {got} of {len(view)} bytes in time")
         n = conn.recv_into(view[got : got + CHUNK])
         if n == 0:
             raise KVPayloadError(f"KV transfer cut off after {got} of {len(view)} bytes")
         got += n
 
 
+class Unreachable:
+    """KV server addresses a connect to failed lately: a pull from one fails at once until
+    `hold_s` after that failure, instead of each request waiting out its own connect."""
+
+    def __init__(self, hold_s: float = UNREACHABLE_HOLD_S) -> None:
+        self.hold_s = hold_s
+        self._since: dict[str, tuple[float, str]] = {}  # addr -> (monotonic time, why)
+        self._lock = threading.Lock()
+
+    def check(self, addr: str) -> None:
+        with self._lock:
+            failed = self._since.get(addr)
+            if failed is None:
+                return
+            age = time.monotonic() - failed[0]
+            if age >= self.hold_s:
+                del self._since[addr]  # try it again
+                return
+        raise KVPayloadError(f"KV server {addr} unreachable ({failed[1]}, {age:.1f} s ago)")
+
+    def failed(self, addr: str, why: str) -> None:
+        with self._lock:
+            self._since[addr] = (time.monotonic(), why)
+
+    def reached(self, addr: str) -> None:
+        with self._lock:
+            self._since.pop(addr, None)
+
+
+UNREACHABLE = Unreachable()
+
+
 def _request(ref: KVRef, verb: bytes, token: str, timeout_s: float) -> tuple[socket.socket, int]:
     host, _, port = ref.addr.rpartition(":")
+    UNREACHABLE.check(ref.addr)
     try:
-        conn = socket.create_connection((host, int(port)), timeout=timeout_s)
-    except (OSError, ValueError) as e:
+        conn = socket.create_connection((host, int(port)), min(timeout_s, CONNECT_TIMEOUT_S))
+    except ValueError as e:
+        raise KVPayloadError(f"KV reference {ref.addr!r} unusable: {e}") from e
+    except OSError as e:
+        UNREACHABLE.failed(ref.addr, f"connect: {e}")
         raise KVPayloadError(f"KV server {ref.addr} unreachable: {e}") from e
+    UNREACHABLE.reached(ref.addr)
+    conn.settimeout(min(timeout_s, STALL_TIMEOUT_S))  # between bytes, not for the whole pull
     try:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.sendall(_REQUEST.pack(PROTO, verb, bytes.fromhex(ref.handle), token_digest(token)))
@@ -256,6 +305,7 @@ def pull(
     ref: KVRef, token: str, timeout_s: float = 30.0, out: NDArray[np.uint8] | None = None
 ) -> NDArray[np.uint8]:
     """The payload's bytes (a uint8 array, in `out` when it is large enough)."""
+    deadline = time.monotonic() + timeout_s
     conn, length = _request(ref, b"PULL", token, timeout_s)
     with conn:
         if length != ref.nbytes:
@@ -263,7 +313,7 @@ def pull(
         fits = out is not None and out.nbytes >= length
         buf = out[:length] if out is not None and fits else np.empty(length, np.uint8)
         try:
-            _recv_into(conn, buf.data)  # memoryview(buf), as typed (see _handle)
+            _recv_into(conn, buf.data, deadline)  # memoryview(buf), as typed (see _handle)
         except OSError as e:
             raise KVPayloadError(f"KV transfer from {ref.addr} failed: {e}") from e
     return buf

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from disagg import kvnet
 from disagg.engine.config import ModelArgs
 from disagg.engine.kv_payload import KVPayload
 from disagg.errors import KVPayloadError
@@ -114,3 +115,52 @@ def test_corrupted_bytes_fail_the_crc_check(server):
     got = pull(ref_for(server, data), TOKEN)
     with pytest.raises(KVPayloadError, match="CRC"):
         KVPayload.from_bytes(got)
+
+
+def test_a_transfer_that_stalls_fails_in_seconds_not_at_its_deadline(monkeypatch):
+    """A path lost mid-transfer (a partition) sends nothing more: the pull fails after
+    STALL_TIMEOUT_S without bytes, not after its whole timeout_s."""
+    monkeypatch.setattr(kvnet, "STALL_TIMEOUT_S", 0.5)
+    data = payload()
+    listener = socket.create_server(("127.0.0.1", 0))
+    release = threading.Event()
+
+    def stall():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(bytes([0]) + data.nbytes.to_bytes(8, "little"))
+            conn.sendall(bytes(data[:100]))
+            release.wait(30)
+
+    threading.Thread(target=stall, daemon=True).start()
+    ref = KVRef(f"127.0.0.1:{listener.getsockname()[1]}", "ef" * 16, data.nbytes)
+    t = time.monotonic()
+    with pytest.raises(KVPayloadError, match="timed out"):
+        pull(ref, TOKEN, timeout_s=30)
+    assert time.monotonic() - t < 5
+    release.set()
+    listener.close()
+
+
+def test_an_address_that_refused_fails_at_once_until_its_hold_ends(monkeypatch):
+    """After a failed connect, pulls from that address fail without trying for the hold;
+    then it is tried again and a server that came back there serves (no restart needed)."""
+    monkeypatch.setattr(kvnet, "UNREACHABLE", kvnet.Unreachable(hold_s=0.5))
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now: refused
+    leases = KVLeases(capacity_bytes=1 << 20, ttl_s=30)
+    data = payload()
+    ref = KVRef(f"127.0.0.1:{port}", leases.put(data), data.nbytes)
+    with pytest.raises(KVPayloadError, match="unreachable: "):
+        pull(ref, TOKEN)
+    srv = KVServer(leases, TOKEN, port=port).start()  # back, but within the hold
+    try:
+        with pytest.raises(KVPayloadError, match=r"unreachable \(connect: .* s ago\)"):
+            pull(ref, TOKEN)
+        assert len(leases) == 1  # not even asked
+        time.sleep(0.6)
+        assert bytes(pull(ref, TOKEN)) == bytes(data)
+    finally:
+        srv.close()
