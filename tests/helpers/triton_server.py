@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 from disagg.serve.server import free_ports
 
@@ -207,3 +209,25 @@ def openai_client(server, key: str) -> Iterator:
         yield openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
     finally:
         gateway.stop()
+
+
+@contextlib.contextmanager
+def servers_under_token(token: str) -> Iterator[dict[str, Any]]:
+    """A dict to put TritonServers in, with the internal token `token` in the environment
+    they start with; on exit every TritonServer in it is stopped and the token restored."""
+    from disagg.contracts import TOKEN_ENV
+    from disagg.serve.server import TritonServer
+
+    saved = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = token
+    servers: dict[str, Any] = {}
+    try:
+        yield servers
+    finally:
+        for server in servers.values():
+            if isinstance(server, TritonServer):
+                server.stop()
+        if saved is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = saved

@@ -11,11 +11,10 @@ import threading
 import time
 
 import pytest
-from helpers.triton_server import server_settings
+from helpers.triton_server import server_settings, servers_under_token
 
 from disagg import contracts as C
 from disagg.client import GenerateError, HttpClient
-from disagg.contracts import TOKEN_ENV
 from disagg.engine.sequence import SamplingParams
 from disagg.serve.server import TritonServer
 from disagg.serve.supervisor import stub_processes
@@ -28,11 +27,8 @@ HANG_S = 4.0  # the frontend's decode_hang_s: a frozen decode node's streams mov
 
 @pytest.fixture(scope="module")
 def cluster(engine_dir, tmp_path_factory):
-    saved = os.environ.get(TOKEN_ENV)
-    os.environ[TOKEN_ENV] = "cluster-test-token-0123456789"
     tmp = tmp_path_factory.mktemp("cluster")
-    servers: dict[str, TritonServer] = {}
-    try:
+    with servers_under_token("cluster-test-token-0123456789") as servers:
         for role in ("prefill", "decode"):
             for i in range(2):
                 s = server_settings(engine_dir, tmp / f"{role}{i}", role=role)
@@ -58,14 +54,6 @@ def cluster(engine_dir, tmp_path_factory):
         servers["frontend"].wait_ready(timeout_s=240)
         servers["tmp"] = tmp
         yield servers
-    finally:
-        for server in servers.values():
-            if isinstance(server, TritonServer):
-                server.stop()
-        if saved is None:
-            os.environ.pop(TOKEN_ENV, None)
-        else:
-            os.environ[TOKEN_ENV] = saved
 
 
 def http(cluster) -> HttpClient:

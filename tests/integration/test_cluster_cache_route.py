@@ -12,11 +12,10 @@ import signal
 import time
 
 import pytest
-from helpers.triton_server import eventually, metric, server_settings
+from helpers.triton_server import eventually, metric, server_settings, servers_under_token
 
 from disagg import contracts as C
 from disagg.client import HttpClient
-from disagg.contracts import TOKEN_ENV
 from disagg.serve.server import TritonServer, free_ports
 from disagg.serve.supervisor import stub_processes
 
@@ -27,11 +26,8 @@ POOLS = ("prefill0", "prefill1", "decode0", "decode1")
 
 @pytest.fixture(scope="module")
 def cluster(engine_dir, tmp_path_factory):
-    saved = os.environ.get(TOKEN_ENV)
-    os.environ[TOKEN_ENV] = "cache-route-test-token-0123456789"
     tmp = tmp_path_factory.mktemp("cache_route")
-    servers: dict[str, TritonServer] = {}
-    try:
+    with servers_under_token("cache-route-test-token-0123456789") as servers:
         for name in POOLS:
             (events_port,) = free_ports(1)
             s = server_settings(engine_dir, tmp / name, role=name[:-1], kv_events_port=events_port)
@@ -51,14 +47,6 @@ def cluster(engine_dir, tmp_path_factory):
         for front in ("front0", "front1"):
             servers[front].wait_ready(timeout_s=240)
         yield servers
-    finally:
-        for server in servers.values():
-            if isinstance(server, TritonServer):
-                server.stop()
-        if saved is None:
-            os.environ.pop(TOKEN_ENV, None)
-        else:
-            os.environ[TOKEN_ENV] = saved
 
 
 def ask(cluster, front: str, prompt_ids: list[int], max_tokens: int = 8):

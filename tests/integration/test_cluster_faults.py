@@ -15,64 +15,31 @@ import threading
 import time
 
 import pytest
+from helpers.kv_cluster import HUNG_S, PROMPTS, assert_greedy, generate, kv_cluster, run_all
 from helpers.tamper_proxy import TamperProxy
-from helpers.triton_server import metric, server_settings
+from helpers.triton_server import metric
 
 from disagg import contracts as C
 from disagg.client import GenerateError, HttpClient
-from disagg.contracts import TOKEN_ENV
 from disagg.engine.sequence import SamplingParams
 from disagg.serve.server import TritonServer, free_ports
 
 pytestmark = pytest.mark.integration
-PROMPTS = ["What is the capital of France?", "List three prime numbers.", "Say hello in French."]
-HUNG_S = 90
 
 
 @pytest.fixture(scope="module")
 def cluster(engine_dir, tmp_path_factory):
-    saved = os.environ.get(TOKEN_ENV)
-    os.environ[TOKEN_ENV] = "kv-faults-test-token-0123456789"
-    tmp = tmp_path_factory.mktemp("kv_faults")
     (kv_port,) = free_ports(1)
     proxy = TamperProxy(kv_port)
-    servers: dict[str, TritonServer] = {}
+    tmp = tmp_path_factory.mktemp("kv_faults")
     try:
-        prefill = server_settings(
-            engine_dir, tmp / "prefill", role="prefill", kv_port=kv_port,
+        with kv_cluster(
+            engine_dir, tmp, "kv-faults-test-token-0123456789", kv_port=kv_port,
             kv_advertise_port=proxy.port,
-        )  # fmt: skip
-        servers["prefill"] = TritonServer(prefill, admin_key="k").start()
-        servers["decode"] = TritonServer(
-            server_settings(engine_dir, tmp / "decode", role="decode"), admin_key="k"
-        ).start()
-        for server in servers.values():
-            server.wait_ready(timeout_s=240)
-        front = server_settings(
-            engine_dir, tmp / "frontend", role="frontend",
-            prefill_replicas=servers["prefill"].endpoints.grpc,
-            decode_replicas=servers["decode"].endpoints.grpc,
-        )  # fmt: skip
-        servers["frontend"] = TritonServer(front, admin_key="k").start()
-        servers["frontend"].wait_ready(timeout_s=240)
-        servers["front_settings"] = front
-        yield servers, proxy
+        ) as servers:  # fmt: skip
+            yield servers, proxy
     finally:
-        for server in servers.values():
-            if isinstance(server, TritonServer):
-                server.stop()
         proxy.close()
-        if saved is None:
-            os.environ.pop(TOKEN_ENV, None)
-        else:
-            os.environ[TOKEN_ENV] = saved
-
-
-def generate(servers, prompt: str):
-    client = HttpClient(servers["frontend"].endpoints.http, timeout_s=HUNG_S)
-    body = {C.TEXT_INPUT: prompt, C.APPLY_CHAT_TEMPLATE: True, C.MAX_TOKENS: 24,
-            C.EXCLUDE_INPUT_IN_OUTPUT: True}  # fmt: skip
-    return client.generate("router", body)
 
 
 def test_kv_pulled_through_the_proxy_is_handed_off_intact(cluster, llm):
@@ -87,32 +54,15 @@ def test_damaged_kv_bytes_cost_no_request(cluster, llm):
     """Every request completes with its greedy reply, decode having prefilled it (before,
     the CRC failure was the client's 400)."""
     servers, proxy = cluster
+    refs = [llm.generate([p], SamplingParams(max_tokens=24))[0].text for p in PROMPTS]
     proxy.corrupt.set()
-    got: dict[str, object] = {}
-
-    def run(i: int) -> None:
-        try:
-            got[f"r{i}"] = generate(servers, PROMPTS[i])
-        except GenerateError as e:
-            got[f"r{i}"] = e
-
     try:
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(HUNG_S)
+        counts, got, _ = run_all(servers)
     finally:
         proxy.corrupt.clear()
-    counts = {"completed": 0, "error": 0, "hung": 0}
-    for i in range(3):
-        r = got.get(f"r{i}")
-        counts["hung" if r is None else "error" if isinstance(r, Exception) else "completed"] += 1
     assert counts == {"completed": 3, "error": 0, "hung": 0}, got
     assert proxy.damaged >= 3  # every hand-off arrived damaged
-    for i in range(3):
-        (ref,) = llm.generate([PROMPTS[i]], SamplingParams(max_tokens=24))
-        assert got[f"r{i}"].text == ref.text and got[f"r{i}"].extra[C.SERVED_BY] == "fallback"
+    assert_greedy(got, refs, "fallback")
     errors = metric(servers["frontend"], "disagg_errors_total", stage="kv_handoff")
     assert errors >= 3
 
