@@ -5,7 +5,8 @@
 Two workloads, sent through the OpenAI chat API with the official `openai` package (greedy,
 `ignore_eos`, streamed with usage):
   shared     16 requests at once, one ~1,000-token system prompt, ~150-token questions,
-             64 output tokens each
+             64 output tokens each; `--waves` such bursts one after another (the first
+             meets a cold cache, the later ones find the system prompt cached)
   multiturn  8 conversations x 6 turns at once (each conversation waits for its reply),
              a ~500-token system prompt shared by all, ~50-token user turns, 64-token replies
   chat       closed loop, nothing shared (issue 24's workload): 16 clients, each sending
@@ -111,13 +112,21 @@ async def chat(client, messages, max_tokens: int, turn: int = 0) -> tuple[Result
 
 
 async def shared(client, a) -> list[Result]:
+    """`--waves` bursts of `concurrency` requests with one system prompt, each burst sent
+    when the one before has ended, with questions of its own: the first meets a cold cache
+    (its system prompt computed once, for all), the later ones the steady state of a
+    deployment whose system prompt is already cached. A result's `turn` is its wave."""
     system = words(1000, 1)
-    msgs = [
-        [{"role": "system", "content": system}, {"role": "user", "content": words(150, 100 + i)}]
-        for i in range(a.concurrency)
-    ]
-    done = await asyncio.gather(*(chat(client, m, a.max_tokens) for m in msgs))
-    return [r for r, _ in done]
+    out: list[Result] = []
+    for wave in range(a.waves):
+        msgs = [
+            [{"role": "system", "content": system},
+             {"role": "user", "content": words(150, 100 + 1000 * wave + i)}]
+            for i in range(a.concurrency)
+        ]  # fmt: skip
+        done = await asyncio.gather(*(chat(client, m, a.max_tokens, wave) for m in msgs))
+        out += [r for r, _ in done]
+    return out
 
 
 async def multiturn(client, a) -> list[Result]:
@@ -430,14 +439,17 @@ SERVERS = {
 def table(res: dict) -> str:
     lines = []
     for w, per in res["workloads"].items():
-        lines += [f"\n### {w}\n", "| server | TTFT p50 (s) | TTFT p90 (s) | turns 2+ TTFT p50 (s) "
-                  "| TPOT p50 (ms) | output tok/s | cached / prompt tokens | hit rate | errors |",
-                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"\n### {w}\n", "| server | TTFT p50 (s) | TTFT p90 (s) "
+                  "| turn (wave) 1 TTFT p50 (s) | turns (waves) 2+ TTFT p50 (s) "
+                  "| TPOT p50 (ms) | output tok/s "
+                  "| cached / prompt tokens | hit rate | errors |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for s, r in per.items():
+            first = f"{r['ttft_p50_turn1_s']:.2f}" if "ttft_p50_turn1_s" in r else "-"
             later = f"{r['ttft_p50_later_s']:.2f}" if "ttft_p50_later_s" in r else "-"
             hit = r["cached_tokens"] / r["prompt_tokens"] if r["prompt_tokens"] else 0.0
             lines.append(
-                f"| {s} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {later} | "
+                f"| {s} | {r['ttft_p50_s']:.2f} | {r['ttft_p90_s']:.2f} | {first} | {later} | "
                 f"{r.get('tpot_p50_ms', 0.0):.0f} | {r['tok_s']:.1f} | "
                 f"{r['cached_tokens']} / {r['prompt_tokens']} | {hit:.0%} | {r['errors']} |"
             )
@@ -479,9 +491,20 @@ def plot(res: dict, path: Path) -> None:
     for i, w in enumerate(workloads):
         per = res["workloads"][w]
         names = list(per)
-        key = "ttft_p50_later_s" if w == "multiturn" else "ttft_p50_s"
-        axes[2 * i].bar(names, [per[n].get(key, 0.0) for n in names], color="tab:blue")
-        axes[2 * i].set_title(f"{w}: TTFT p50 (s)" + (", turns 2-6" if w == "multiturn" else ""))
+        if w == "shared" and all("ttft_p50_later_s" in per[n] for n in names):
+            x = range(len(names))  # the cold burst beside the warm ones
+            cold = [per[n]["ttft_p50_turn1_s"] for n in names]
+            warm = [per[n]["ttft_p50_later_s"] for n in names]
+            axes[2 * i].bar([j - 0.2 for j in x], cold, 0.4, label="wave 1 (cold)")
+            axes[2 * i].bar([j + 0.2 for j in x], warm, 0.4, label="waves 2+ (prompt seen)")
+            axes[2 * i].set_xticks(list(x), names)
+            axes[2 * i].legend(fontsize=7)
+            axes[2 * i].set_title(f"{w}: TTFT p50 (s)")
+        else:
+            key = "ttft_p50_later_s" if w == "multiturn" else "ttft_p50_s"
+            axes[2 * i].bar(names, [per[n].get(key, 0.0) for n in names], color="tab:blue")
+            title = f"{w}: TTFT p50 (s)" + (", turns 2-6" if w == "multiturn" else "")
+            axes[2 * i].set_title(title)
         axes[2 * i + 1].bar(names, [per[n]["tok_s"] for n in names], color="tab:green")
         axes[2 * i + 1].set_title(f"{w}: output tok/s")
         for ax in axes[2 * i : 2 * i + 2]:
@@ -500,6 +523,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--waves", type=int, default=2, help="shared: bursts, one after another")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--cluster-prefill", type=int, default=2, help="cluster-*: prefill servers")
     p.add_argument("--cluster-decode", type=int, default=2, help="cluster-*: decode servers")
