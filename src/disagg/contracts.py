@@ -149,9 +149,13 @@ TOKEN_PARAM = "disagg_token"
 # for the dead process until the callee's send blocks (a killed orchestrator stalled
 # decode's engine loop, and with it every other request, for good).
 CALLER_PID_PARAM = "disagg_caller_pid"
+# A client of an entry model over gRPC (the gateway) asks for the acknowledgement alone: a
+# first response with WORKER_PID, whose process it watches (Triton 2.51 never ends the
+# requests of a stub that died: they stay open for good); failures stay Triton errors.
+ACK_PARAM = "disagg_ack"  # request parameter; true
 # every request parameter our models read: an entry model refuses any other (a generate
 # field that is no input of the model arrives as a parameter; codec.tensors.check_parameters)
-REQUEST_PARAMETERS = (CALLER_PARAM, TOKEN_PARAM, CALLER_PID_PARAM)
+REQUEST_PARAMETERS = (CALLER_PARAM, TOKEN_PARAM, CALLER_PID_PARAM, ACK_PARAM)
 TOKEN_ENV = "DISAGG_INTERNAL_TOKEN"
 ERROR_KIND = "error_kind"  # BYTES [1]: "" on success
 

@@ -220,6 +220,32 @@ def test_an_orchestrator_crash_ends_router_and_gateway_requests_and_frees_decode
     assert scrape(gateway.url + "/metrics", "disagg_gateway_inflight_requests") == 0
 
 
+def test_a_router_crash_ends_every_gateway_request_within_seconds(stack):
+    """The gateway watches the router process serving each request (named by its
+    acknowledgement, contracts.ACK_PARAM): when it dies, every gateway request ends within
+    seconds with a clear error. Before, all four waited for good (found by
+    benchmarks/fault_soak.py): Triton 2.51 never ends the requests of a dead stub. Direct
+    clients of `router` on Triton's own ports still wait, as those of `ensemble` do when the
+    orchestrator dies (docs/reliability.md), so they are not sent here."""
+    server, gateway = stack
+    calls = {k: v for k, v in _long_requests(server, gateway).items() if k.startswith("gateway")}
+
+    def killed_run() -> tuple[Outcomes, float]:
+        (victim,) = [pid for pid, (m, _) in _stub_table(server).items() if m == "router"]
+        return _kill_under_load(server, calls, victim)
+
+    out, killed = once_more_if_upstream_aborted(server, killed_run)
+    assert out.counts(calls) == {"completed": 0, "error": 4, "unclear": 0, "hung": 0}, out.got
+    for name, (_, detail, ended) in out.got.items():
+        assert ended - killed < 10, f"{name} ended {ended - killed:.1f} s after the crash"
+        # the request, or its retry while the router reloads: 503s with what happened
+        dead = r"router process \(\d+\) serving this request died|no available versions"
+        assert re.search(dead, detail) and "500" not in detail, detail
+    metric_becomes(server, "disagg_decode_active_sequences", 0.0, timeout_s=20)
+    _serves_again(server)
+    assert scrape(gateway.url + "/metrics", "disagg_gateway_inflight_requests") == 0
+
+
 def test_a_second_turn_after_a_decode_restart_is_handed_off_whole_and_replies_the_same(stack):
     """The orchestrator left turn 1's blocks in decode; decode restarts (its prefix cache
     empty). Turn 2's hand-off leaves those blocks out, decode says it lacks them (a typed

@@ -274,7 +274,8 @@ class RouterReply:
     )
     EXTRAS = ROUTING + Tensors((TensorSpec(C.NUM_CACHED_TOKENS, np.int32),))  # final only
     TOOL_CALLS = Tensors((TensorSpec(C.OUTPUT_TOOL_CALLS, np.object_),))  # when relayed
-    TENSORS = CLIENT_OUTPUTS + LOGPROB_OUTPUTS + TOOL_CALLS + EXTRAS
+    # + the acknowledgement a client asks for with contracts.ACK_PARAM (the gateway)
+    TENSORS = CLIENT_OUTPUTS + LOGPROB_OUTPUTS + TOOL_CALLS + EXTRAS + ACK
 
     @staticmethod
     def encode(reply: RoutedReply, batched: bool) -> Arrays:

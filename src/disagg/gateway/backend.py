@@ -7,6 +7,8 @@ Errors come back as messages only on a gRPC stream; disagg's models tag them wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +21,7 @@ from disagg import contracts as C
 from disagg.codec.generate import RouterReply, RouterRequest
 from disagg.codec.tensors import gather, triton_dtype
 from disagg.gateway.errors import APIError
+from disagg.process import process_alive
 
 
 @dataclass
@@ -62,11 +65,16 @@ def _piece(result: grpcclient.InferResult) -> Piece:
     )
 
 
+# Triton's own words for a model it holds no ready instance of: the registry resolved the
+# name, so the model is there but reloading (its stub died; the supervisor restarts it)
+_RELOADING = ("has no available versions", "is not ready")
+
+
 def api_error(message: str) -> APIError:
     kind, text = C.split_error(message)
     if kind is C.ErrorKind.INVALID_REQUEST:
         return APIError(400, text)
-    if kind is C.ErrorKind.UNAVAILABLE:
+    if kind is C.ErrorKind.UNAVAILABLE or any(words in text for words in _RELOADING):
         return APIError(503, text, type_="server_error", code="model_unavailable")
     return APIError(500, text, type_="server_error")
 
@@ -106,12 +114,69 @@ async def _finish(call: Any) -> None:  # tritonclient's stream call: untyped
 
 
 RETRY_S = 5.0  # how long a request waits for an unreachable Triton (restarting) before 503
+WATCH_S = 0.5  # how often a request's router process is checked while it waits for a response
+ACK_S = 60.0  # no acknowledgement this long after sending: the router's process died first
+
+
+def is_local(url: str) -> bool:
+    """Whether `url` ("host:port") is on this host: an address this host can bind."""
+    host = url.rsplit(":", 1)[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((addr[0], 0))
+            return True
+    return False
+
+
+def _ack_pid(result: grpcclient.InferResult) -> int | None:
+    """The router process's pid, if `result` is its acknowledgement (contracts.ACK_PARAM)."""
+    pid = result.as_numpy(C.WORKER_PID)
+    return None if pid is None else int(pid.reshape(-1)[0])
+
+
+async def _watched(items: AsyncIterator[Any], pid: list[int]) -> AsyncIterator[Any]:
+    """`items`, ended with a 503 when the router process serving them dies (`pid[0]`, set by
+    the caller from the acknowledgement) or no acknowledgement comes: Triton 2.51 never ends
+    the requests of a dead stub, so without this the client would wait for good."""
+    it = aiter(items)
+    loop = asyncio.get_running_loop()
+    sent = loop.time()
+    nxt: asyncio.Future[Any] = asyncio.ensure_future(anext(it))
+    try:
+        while True:
+            done, _ = await asyncio.wait({nxt}, timeout=WATCH_S)
+            if nxt in done:
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+                nxt = asyncio.ensure_future(anext(it))
+            elif pid[0] and not process_alive(pid[0]):
+                raise APIError(
+                    503, f"the router process ({pid[0]}) serving this request died",
+                    "server_error", code="unavailable",
+                )  # fmt: skip
+            elif not pid[0] and loop.time() - sent > ACK_S:
+                raise APIError(
+                    503, f"the router did not take the request within {ACK_S:.0f} s",
+                    "server_error", code="unavailable",
+                )  # fmt: skip
+    finally:
+        nxt.cancel()
 
 
 class TritonBackend:
     def __init__(self, url: str, timeout_s: float) -> None:
         self.url = url
         self.timeout_s = timeout_s
+        # Triton on this host: watch the router process of each request (its pid means
+        # nothing on another host, where a dead stub's requests still hang: Triton's own)
+        self.watch = is_local(url)
         self._client: grpcaio.InferenceServerClient | None = None
         # metrics: a request tried again (Triton unreachable)
         self.on_retry: Callable[[], None] = lambda: None
@@ -182,15 +247,21 @@ class TritonBackend:
                 "inputs": _inputs({**inputs, C.STREAM: True}),
                 "request_id": request_id,
                 "enable_empty_final_response": True,
+                **({"parameters": {C.ACK_PARAM: True}} if self.watch else {}),
             }
 
         call = self.client.stream_infer(one_request(), stream_timeout=self.timeout_s)
         done = False  # the final response arrived (or an error): nothing left to cancel
+        pid = [0]  # the router process serving it, from its acknowledgement
+        responses = _watched(_guarded(call), pid) if self.watch else _guarded(call)
         try:
-            async for result, error in _guarded(call):
+            async for result, error in responses:
                 if error is not None:
                     done = True
                     raise api_error(str(error))
+                if pid[0] == 0 and (ack := _ack_pid(result)) is not None:
+                    pid[0] = ack
+                    continue
                 piece = _piece(result)
                 params = result.get_response().parameters
                 final = params.get("triton_final_response")

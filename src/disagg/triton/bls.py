@@ -34,6 +34,12 @@ def is_bls_caller(request: pb_utils.InferenceRequest) -> bool:
     return request_parameters(request).get(C.CALLER_PARAM) == C.BLS_CALLER
 
 
+def wants_ack(request: pb_utils.InferenceRequest) -> bool:
+    """Whether the caller watches the process that serves `request` (a BLS caller, or a
+    client asking with ACK_PARAM): it gets an acknowledgement with that pid first."""
+    return is_bls_caller(request) or request_parameters(request).get(C.ACK_PARAM) is True
+
+
 def check_internal(request: pb_utils.InferenceRequest, model: str) -> None:
     """Refuse a request to an internal model that did not come from this server's own BLS
     calls (it carries this server's token; see contracts.py)."""

@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 from disagg.cancel import CancelRegistry, CancelWatch
 from disagg.contracts import error_kind_of
 from disagg.errors import PoolError
-from disagg.triton.bls import CallerWatch, ack_response, failure_response, is_bls_caller
+from disagg.triton.bls import (
+    CallerWatch,
+    ack_response,
+    failure_response,
+    is_bls_caller,
+    wants_ack,
+)
 from disagg.triton.pb import FINAL, requested_outputs
 
 if TYPE_CHECKING:
@@ -79,8 +85,8 @@ class RequestRunner(Generic[Req, Reply]):
                 sender.send(self._error_response(e), flags=FINAL)  # a first response: arrives
                 continue
             to_bls = is_bls_caller(request)
-            if to_bls:  # before the work can finish (a response after FINAL crashes Triton)
-                sender.send(ack_response(self.pid, self.batched))
+            if wants_ack(request):  # before the work can finish (a response after FINAL
+                sender.send(ack_response(self.pid, self.batched))  # crashes Triton)
             self.workers.submit(
                 self._run_streaming,
                 req,

@@ -1,0 +1,82 @@
+"""The gateway's watch on the router process of each request (gateway/backend.py `_watched`):
+Triton 2.51 never ends the requests of a stub that died, so the gateway ends them itself
+when the process its acknowledgement named is gone, or when no acknowledgement comes.
+Real processes and asyncio; no Triton."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import pytest
+
+from disagg.gateway import backend
+from disagg.gateway.backend import _watched, is_local
+from disagg.gateway.errors import APIError
+
+pytestmark = pytest.mark.unit
+
+
+async def first_then_silence():
+    yield "ack"
+    await asyncio.sleep(3600)  # a dead stub's request: nothing more, ever
+    yield "never"
+
+
+async def drain(pid: list[int]) -> list[str]:
+    got = []
+    async for item in _watched(first_then_silence(), pid):
+        got.append(item)
+    return got
+
+
+def test_a_request_whose_router_process_dies_ends_with_a_503():
+    proc = subprocess.Popen(["sleep", "60"])
+    pid = [proc.pid]
+
+    async def run() -> tuple[APIError, float]:
+        task = asyncio.ensure_future(drain(pid))
+        await asyncio.sleep(1.0)
+        assert not task.done()  # alive: it waits
+        proc.kill()
+        proc.wait()
+        killed = time.monotonic()
+        with pytest.raises(APIError) as err:
+            await task
+        return err.value, time.monotonic() - killed
+
+    error, after = asyncio.run(run())
+    assert error.status == 503 and f"router process ({proc.pid})" in error.message
+    assert after < 2.0  # one WATCH_S or two
+
+
+def test_no_acknowledgement_in_time_ends_it_too(monkeypatch):
+    monkeypatch.setattr(backend, "ACK_S", 0.3)
+
+    async def silent():
+        await asyncio.sleep(3600)
+        yield "never"
+
+    async def run() -> None:
+        async for _ in _watched(silent(), [0]):
+            pass
+
+    with pytest.raises(APIError, match="did not take the request"):
+        asyncio.run(run())
+
+
+def test_a_stream_that_ends_is_passed_through_whole():
+    async def three():
+        for x in ("ack", "a", "b"):
+            yield x
+
+    async def run() -> list[str]:
+        return [x async for x in _watched(three(), [0])]
+
+    assert asyncio.run(run()) == ["ack", "a", "b"]
+
+
+def test_only_a_triton_on_this_host_is_watched():
+    assert is_local("127.0.0.1:8001") and is_local("localhost:8001")
+    assert not is_local("192.0.2.1:8001")  # TEST-NET-1: no host has it
