@@ -24,6 +24,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -35,6 +36,9 @@ from disagg.engine.llm_engine import DecodeEngine
 from disagg.engine.model import KVCacheSlots, Llama
 from disagg.engine.packed_prefill import Chunk
 from disagg.engine.sequence import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_bench import median_time  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,21 +105,12 @@ def kernels(model: Llama, row_counts: list[int], reps: int = 10) -> list[dict]:
 
     lins = [v for v in vars(model.layers[0]).values() if isinstance(v, BlockLinear)]
 
-    def median_s(fn) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
     out = []
     for n in row_counts:
         xs = [torch.randn(n, lin.blocks.k) for lin in lins]
         pairs = list(zip(xs, lins, strict=True))
-        blocks = sum(median_s(partial(qlinear, x, lin.blocks)) for x, lin in pairs)
-        dense = sum(median_s(partial(linear, x, lin.dense)) for x, lin in pairs)
+        blocks = sum(median_time(partial(qlinear, x, lin.blocks), reps) for x, lin in pairs)
+        dense = sum(median_time(partial(linear, x, lin.dense), reps) for x, lin in pairs)
         out.append({"rows": n, "blocks_ms": 30 * blocks * 1e3, "dense_ms": 30 * dense * 1e3})
     return out
 
