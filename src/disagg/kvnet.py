@@ -47,12 +47,12 @@ _REQUEST = struct.Struct("<4s4s16s32s")
 _REPLY = struct.Struct("<BQ")
 CHUNK = 4 << 20  # bytes per send/recv call
 # A pull runs on decode's request path, so a lost path must cost seconds, not the whole
-# `timeout_s`: a KV server that does not take a connection in CONNECT_TIMEOUT_S (a SYN and two
-# resends on a lossy link), or a transfer that receives nothing for STALL_TIMEOUT_S, has lost
-# its path (a partition); decode then prefills the prompt itself. After a connect fails,
-# pulls from that address fail at once for UNREACHABLE_HOLD_S, then it is tried again (a
-# healed partition needs no restart).
-CONNECT_TIMEOUT_S = 3.0
+# `timeout_s` (a deadline for the whole pull): a KV server that does not take a connection in
+# CONNECT_TIMEOUT_S (Linux resends a SYN after 1 s and 3 s: both may be answered), or a
+# transfer that receives nothing for STALL_TIMEOUT_S, has lost its path (a partition); decode
+# then prefills the prompt itself. After a connect fails, pulls from that address fail at
+# once for UNREACHABLE_HOLD_S, then it is tried again (a healed partition needs no restart).
+CONNECT_TIMEOUT_S = 4.0
 STALL_TIMEOUT_S = 5.0
 UNREACHABLE_HOLD_S = 5.0
 

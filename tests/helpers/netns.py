@@ -18,6 +18,11 @@ def available() -> str:
         return "network namespaces need root"
     if not shutil.which("ip") or not shutil.which("tc"):
         return "iproute2 (ip, tc) is not installed"
+    probe = f"dgprobe{os.getpid() % 60000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:  # a container without CAP_NET_ADMIN / CAP_SYS_ADMIN
+        return f"cannot make a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return ""
 
 

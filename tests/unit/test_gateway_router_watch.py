@@ -12,7 +12,7 @@ import time
 import pytest
 
 from disagg.gateway import backend
-from disagg.gateway.backend import _watched, is_local
+from disagg.gateway.backend import _watched, is_local, watchable
 from disagg.gateway.errors import APIError
 
 pytestmark = pytest.mark.unit
@@ -33,7 +33,7 @@ async def drain(pid: list[int]) -> list[str]:
 
 def test_a_request_whose_router_process_dies_ends_with_a_503():
     proc = subprocess.Popen(["sleep", "60"])
-    pid = [proc.pid]
+    pid = [proc.pid]  # (watchable() is the caller's check: any live pid is watched here)
 
     async def run() -> tuple[APIError, float]:
         task = asyncio.ensure_future(drain(pid))
@@ -75,6 +75,35 @@ def test_a_stream_that_ends_is_passed_through_whole():
         return [x async for x in _watched(three(), [0])]
 
     assert asyncio.run(run()) == ["ack", "a", "b"]
+
+
+def test_a_stream_that_answered_is_not_ended_for_want_of_an_acknowledgement(monkeypatch):
+    """A model that does not acknowledge (another version, an ensemble) is not cut off after
+    ACK_S: the rule holds only until something comes back."""
+    monkeypatch.setattr(backend, "ACK_S", 0.3)
+    monkeypatch.setattr(backend, "WATCH_S", 0.1)
+
+    async def slow():
+        yield "a"
+        await asyncio.sleep(1.0)  # long past ACK_S, nothing acknowledged
+        yield "b"
+
+    async def run() -> list[str]:
+        return [x async for x in _watched(slow(), [0])]
+
+    assert asyncio.run(run()) == ["a", "b"]
+
+
+def test_only_a_stub_this_process_can_see_is_watched():
+    """A pid from another pid namespace (Triton in a container) names nothing here, or
+    another process: not watched, never a false 503."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not watchable(proc.pid)  # alive, but no Python backend stub
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not watchable(2**22 + 12345)  # past pid_max: no such process
 
 
 def test_only_a_triton_on_this_host_is_watched():

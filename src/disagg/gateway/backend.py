@@ -115,7 +115,20 @@ async def _finish(call: Any) -> None:  # tritonclient's stream call: untyped
 
 RETRY_S = 5.0  # how long a request waits for an unreachable Triton (restarting) before 503
 WATCH_S = 0.5  # how often a request's router process is checked while it waits for a response
-ACK_S = 60.0  # no acknowledgement this long after sending: the router's process died first
+ACK_S = 60.0  # no response at all this long after sending: the router's process died first
+ACKING = frozenset({"router"})  # the models that acknowledge with their pid when asked
+STUB = "triton_python_backend_stub"
+
+
+def watchable(pid: int) -> bool:
+    """Whether `pid` is a Python backend stub this process can see: the acknowledgement's
+    pid means nothing where Triton runs in another pid namespace (a container beside the
+    gateway), and is then not watched."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return STUB.encode() in f.read().split(b"\0")[0]
+    except OSError:
+        return False
 
 
 def is_local(url: str) -> bool:
@@ -139,12 +152,13 @@ def _ack_pid(result: grpcclient.InferResult) -> int | None:
 
 
 async def _watched(items: AsyncIterator[Any], pid: list[int]) -> AsyncIterator[Any]:
-    """`items`, ended with a 503 when the router process serving them dies (`pid[0]`, set by
-    the caller from the acknowledgement) or no acknowledgement comes: Triton 2.51 never ends
-    the requests of a dead stub, so without this the client would wait for good."""
+    """`items`, ended with a 503 when the router process serving them dies (`pid[0]` > 0,
+    set by the caller from the acknowledgement; -1: not watchable) or nothing at all comes
+    back in ACK_S: Triton 2.51 never ends the requests of a dead stub, so without this the
+    client would wait for good."""
     it = aiter(items)
     loop = asyncio.get_running_loop()
-    sent = loop.time()
+    sent, answered = loop.time(), False
     nxt: asyncio.Future[Any] = asyncio.ensure_future(anext(it))
     try:
         while True:
@@ -154,14 +168,15 @@ async def _watched(items: AsyncIterator[Any], pid: list[int]) -> AsyncIterator[A
                     item = nxt.result()
                 except StopAsyncIteration:
                     return
+                answered = True
                 yield item
                 nxt = asyncio.ensure_future(anext(it))
-            elif pid[0] and not process_alive(pid[0]):
+            elif pid[0] > 0 and not process_alive(pid[0]):
                 raise APIError(
                     503, f"the router process ({pid[0]}) serving this request died",
                     "server_error", code="unavailable",
                 )  # fmt: skip
-            elif not pid[0] and loop.time() - sent > ACK_S:
+            elif not answered and loop.time() - sent > ACK_S:
                 raise APIError(
                     503, f"the router did not take the request within {ACK_S:.0f} s",
                     "server_error", code="unavailable",
@@ -214,7 +229,9 @@ class TritonBackend:
         """Stream the router's responses; closing this generator cancels the request in
         Triton (and, through the router, frees its decode slot). A request Triton could not
         be reached for (nothing came back yet) is tried again for up to RETRY_S: the server
-        may be restarting, and the request never reached it, so nothing is duplicated."""
+        may be restarting, and the request never reached it, so nothing is duplicated. So is
+        one whose router process died before any text came back (`_watched`): the orchestrator
+        drops a dead caller's requests, so nothing is duplicated either."""
         deadline = asyncio.get_running_loop().time() + RETRY_S
         while True:
             pieces = self._generate_once(model, version, request_id, inputs)
@@ -240,6 +257,8 @@ class TritonBackend:
         self, model: str, version: str, request_id: str, inputs: dict[str, Any]
     ) -> AsyncGenerator[Piece, None]:
 
+        watch = self.watch and model in ACKING  # (a router this host runs)
+
         async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield {
                 "model_name": model,
@@ -247,20 +266,20 @@ class TritonBackend:
                 "inputs": _inputs({**inputs, C.STREAM: True}),
                 "request_id": request_id,
                 "enable_empty_final_response": True,
-                **({"parameters": {C.ACK_PARAM: True}} if self.watch else {}),
+                **({"parameters": {C.ACK_PARAM: True}} if watch else {}),
             }
 
         call = self.client.stream_infer(one_request(), stream_timeout=self.timeout_s)
         done = False  # the final response arrived (or an error): nothing left to cancel
         pid = [0]  # the router process serving it, from its acknowledgement
-        responses = _watched(_guarded(call), pid) if self.watch else _guarded(call)
+        responses = _watched(_guarded(call), pid) if watch else _guarded(call)
         try:
             async for result, error in responses:
                 if error is not None:
                     done = True
                     raise api_error(str(error))
                 if pid[0] == 0 and (ack := _ack_pid(result)) is not None:
-                    pid[0] = ack
+                    pid[0] = ack if watchable(ack) else -1
                     continue
                 piece = _piece(result)
                 params = result.get_response().parameters
