@@ -1,9 +1,22 @@
-"""Whether another process on this host is alive, from /proc (no Triton, no psutil)."""
+"""Whether another process on this host is alive, and whether it is a Python backend stub,
+from /proc (no Triton, no psutil)."""
 
 from __future__ import annotations
 
 PF_EXITING = 0x4  # the kernel's per-task flag, set when do_exit() begins
 SIGKILL_BIT = 1 << (9 - 1)
+STUB = "triton_python_backend_stub"
+
+
+def stub_args(pid: int) -> list[bytes] | None:
+    """The command line of `pid` ([stub, model.py, shared memory region, ...]) when it is a
+    Python backend stub; None for any other process, or none at all."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return None
+    return args if len(args) > 2 and args[0].endswith(STUB.encode()) else None
 
 
 def process_alive(pid: int) -> bool:

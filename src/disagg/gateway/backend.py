@@ -21,7 +21,7 @@ from disagg import contracts as C
 from disagg.codec.generate import RouterReply, RouterRequest
 from disagg.codec.tensors import gather, triton_dtype
 from disagg.gateway.errors import APIError
-from disagg.process import process_alive
+from disagg.process import process_alive, stub_args
 
 
 @dataclass
@@ -117,18 +117,13 @@ RETRY_S = 5.0  # how long a request waits for an unreachable Triton (restarting)
 WATCH_S = 0.5  # how often a request's router process is checked while it waits for a response
 ACK_S = 60.0  # no response at all this long after sending: the router's process died first
 ACKING = frozenset({"router"})  # the models that acknowledge with their pid when asked
-STUB = "triton_python_backend_stub"
 
 
 def watchable(pid: int) -> bool:
     """Whether `pid` is a Python backend stub this process can see: the acknowledgement's
     pid means nothing where Triton runs in another pid namespace (a container beside the
     gateway), and is then not watched."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return STUB.encode() in f.read().split(b"\0")[0]
-    except OSError:
-        return False
+    return stub_args(pid) is not None
 
 
 def is_local(url: str) -> bool:

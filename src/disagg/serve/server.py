@@ -22,6 +22,7 @@ from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV, TOKEN_ENV
 from disagg.contracts import internal_token as contracts_internal_token
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV
+from disagg.process import stub_args
 from disagg.serve import procargs, triton_install
 from disagg.serve.render import render_repositories, role_models
 from disagg.serve.supervisor import StubSupervisor
@@ -44,10 +45,9 @@ def _stub_shm_regions(session: int) -> list[str]:
         try:
             if not proc.name.isdigit() or os.getpgid(int(proc.name)) != session:
                 continue
-            args = (proc / "cmdline").read_bytes().split(b"\0")
         except (OSError, ProcessLookupError):
             continue
-        if b"triton_python_backend_stub" in args[0] and len(args) > 2:
+        if (args := stub_args(int(proc.name))) is not None:
             regions.append(args[2].decode())
     return regions
 

@@ -33,8 +33,9 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from disagg.process import stub_args
+
 log = logging.getLogger("disagg.supervisor")
-STUB = "triton_python_backend_stub"
 SHM_PREFIX = "triton_python_backend_shm_region_"
 
 
@@ -50,10 +51,9 @@ def stub_processes(server_pid: int) -> dict[int, tuple[str, str]]:
             state, ppid = stat.rsplit(")", 1)[1].split()[:2]
             if int(ppid) != server_pid or state in ("Z", "X"):
                 continue
-            args = Path(entry.path, "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if len(args) > 2 and args[0].endswith(STUB.encode()):
+        if (args := stub_args(int(entry.name))) is not None:
             model = Path(args[1].decode()).parent.parent.name  # <repo>/<model>/<v>/model.py
             stubs[int(entry.name)] = (model, args[2].decode())
     return stubs
