@@ -1,7 +1,7 @@
 """A network link of the test's own: a network namespace joined to this one by a veth pair,
 addresses on a /30 of 10.77.0.0/16 and nothing else (no route out, no forwarding). Taking
 the namespace's end down is a partition (packets to it vanish: a connect times out);
-`slow` limits the link's rate with a token bucket (tc tbf: this kernel has no netem).
+`slowed` limits the link's rate with a token bucket (tc tbf: this kernel has no netem).
 Needs root and iproute2."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 
 
 def available() -> str:
@@ -70,25 +71,29 @@ class NetnsLink:
             ["ip", "netns", "exec", self.ns, *argv], stdout=subprocess.PIPE, text=True
         )
 
-    def partition(self) -> None:
+    @contextlib.contextmanager
+    def partitioned(self) -> Iterator[None]:
+        """The link cut for the block's length, then healed."""
         self.in_ns("link", "set", self.ns_dev, "down")
+        try:
+            yield
+        finally:
+            self.in_ns("link", "set", self.ns_dev, "up")
 
-    def heal(self) -> None:
-        self.in_ns("link", "set", self.ns_dev, "up")
-
-    def slow(self, rate: str) -> None:
-        subprocess.run(
-            ["tc", "qdisc", "replace", "dev", self.root_dev, "root", "tbf", "rate", rate,
-             "burst", "32kbit", "latency", "2s"],
-            check=True, capture_output=True, timeout=30,
-        )  # fmt: skip
-
-    def fast(self) -> None:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            subprocess.run(
-                ["tc", "qdisc", "del", "dev", self.root_dev, "root"],
-                check=True, capture_output=True, timeout=30,
-            )  # fmt: skip
+    @contextlib.contextmanager
+    def slowed(self, rate: str) -> Iterator[None]:
+        """The link limited to `rate` (tc's units: "20mbit") for the block's length."""
+        tc = ["tc", "qdisc", "replace", "dev", self.root_dev, "root", "tbf", "rate", rate,
+              "burst", "32kbit", "latency", "2s"]  # fmt: skip
+        subprocess.run(tc, check=True, capture_output=True, timeout=30)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(subprocess.CalledProcessError):
+                subprocess.run(
+                    ["tc", "qdisc", "del", "dev", self.root_dev, "root"],
+                    check=True, capture_output=True, timeout=30,
+                )  # fmt: skip
 
     def cleanup(self) -> None:
         for args in (("link", "del", self.root_dev), ("netns", "del", self.ns)):

@@ -70,11 +70,8 @@ def test_a_partition_costs_no_request_and_heals_without_a_restart(cluster, link,
     r = generate(servers, PROMPTS[0])
     assert r.extra[C.SERVED_BY] == "disaggregated" and r.text == refs[0]  # across the link
     pids = {name: s.proc.pid for name, s in servers.items() if name != "front_settings"}
-    link.partition()
-    try:
+    with link.partitioned():
         counts, got, took = run_all(servers)
-    finally:
-        link.heal()
     assert counts == {"completed": 3, "error": 0, "hung": 0}, got
     assert_greedy(got, refs, "fallback")
     assert max(took.values()) < 20, took  # one connect timeout (3 s) and decode's prefill
@@ -89,10 +86,7 @@ def test_a_partition_costs_no_request_and_heals_without_a_restart(cluster, link,
 def test_a_slow_link_still_hands_off_intact(cluster, link, refs):
     """At 20 Mbit/s a hand-off's KV (~1-2 MB here) takes about a second on the wire: every
     request completes with its greedy reply, its K/V having come across the link."""
-    link.slow("20mbit")
-    try:
-        counts, got, took = run_all(cluster)
-    finally:
-        link.fast()
+    with link.slowed("20mbit"):
+        counts, got, _ = run_all(cluster)
     assert counts == {"completed": 3, "error": 0, "hung": 0}, got
     assert_greedy(got, refs, "disaggregated")
