@@ -3,6 +3,10 @@ from /proc (no Triton, no psutil)."""
 
 from __future__ import annotations
 
+import ctypes
+import signal
+from collections.abc import Callable
+
 PF_EXITING = 0x4  # the kernel's per-task flag, set when do_exit() begins
 SIGKILL_BIT = 1 << (9 - 1)
 STUB = "triton_python_backend_stub"
@@ -38,3 +42,18 @@ def process_alive(pid: int) -> bool:
         return True
     except (OSError, ValueError, IndexError):
         return False
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A preexec_fn for Popen: the kernel sends the child `sig` when the thread that started
+    it ends, so a parent killed outright leaves no child running (Linux's PR_SET_PDEATHSIG;
+    elsewhere it does nothing). libc is looked up here, before the fork."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+
+    def preexec() -> None:
+        prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+
+    return preexec

@@ -1,8 +1,9 @@
-"""process_alive on real processes: running, stopped, a zombie, gone."""
+"""process_alive on real processes: running, stopped, a zombie, gone; die_with_parent."""
 
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -30,3 +31,24 @@ def test_a_running_or_stopped_process_is_alive_and_a_zombie_or_a_gone_one_is_not
         child.kill()
         child.wait()
     assert not process_alive(child.pid)
+
+
+def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed():
+    """The parent (a real Python process) starts `sleep` with die_with_parent and is then
+    SIGKILLed: no chance to clean up, yet the kernel's SIGTERM ends the sleep."""
+    code = (
+        "import subprocess, sys, time\n"
+        "from disagg.process import die_with_parent\n"
+        "p = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent())\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert process_alive(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while process_alive(child):
+        assert time.monotonic() < deadline, "the child outlived its killed parent"
+        time.sleep(0.05)
