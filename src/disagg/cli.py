@@ -36,6 +36,7 @@ DELEGATED = {
     "profile": ("disagg.planner.profile_cli", "measure serving costs here into a profile file"),
     "simulate": ("disagg.planner.simulate_cli", "predict topologies' latency and goodput"),
     "plan": ("disagg.planner.plan", "search topologies for the best goodput per node"),
+    "planner": ("disagg.planner.autoscale", "the live planner: pool sizes from live metrics"),
 }
 
 

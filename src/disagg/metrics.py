@@ -341,6 +341,27 @@ GATEWAY_INFLIGHT = _m(
     "Requests the gateway is serving now",
 )
 
+# ------------------------------------------------------------------ live planner (its /metrics)
+PLANNER_DECISIONS = _m(
+    "disagg_planner_decisions_total",
+    COUNTER,
+    "Replicas the live planner added (up) or drained (down), by pool and reason",
+    ("pool", "action", "reason"),
+)
+PLANNER_REPLICAS = _m(
+    "disagg_planner_replicas",
+    GAUGE,
+    "Replicas of each pool the live planner wants (for an HPA: its desired count)",
+    ("pool",),
+)
+PLANNER_SIGNAL = _m(
+    "disagg_planner_signal",
+    GAUGE,
+    "What the live planner saw over its last interval (queue_p90_s, ttft_p90_s, "
+    "prefill_busy, itl_p90_s, decode_in_flight; NaN: no observation)",
+    ("signal",),
+)
+
 ALL = tuple(v for v in dict(globals()).values() if isinstance(v, Metric))
 
 

@@ -15,6 +15,23 @@ from typing import Any
 from disagg.serve.server import free_ports
 
 
+def free_port_base(first: int, count: int, step: int = 300) -> int:
+    """The first of `first`, `first + step`, ... below 60000 with `count` free ports from it
+    (a `disagg cluster --base-port` range)."""
+    import socket
+
+    for base in range(first, 60000, step):
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise RuntimeError(f"no {count} free ports from {first}")
+
+
 def server_settings(engine_dir, build_dir, **overrides):
     """Test settings: free ports, small limits (sized for this machine beside a test run),
     and the disaggregated pipeline unless a test asks for another mode: what the tests check

@@ -5,30 +5,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.triton_server import serve_env
+from helpers.triton_server import free_port_base, serve_env
 
 from disagg import contracts as C
 from disagg.client import HttpClient
 from disagg.process import process_alive
 
 pytestmark = pytest.mark.integration
-
-
-def _free_range(start: int, count: int) -> bool:
-    for port in range(start, start + count):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
 
 
 def _servers_of(ancestor: int) -> list[int]:
@@ -57,7 +46,7 @@ def _descends(pid: int, ancestor: int) -> bool:
 
 
 def test_the_cluster_command_serves_and_stops_every_node_on_ctrl_c(tmp_path, engine_dir):
-    base = next(b for b in range(47100, 60000, 300) if _free_range(b, 130))
+    base = free_port_base(47100, 130)
     env, ports = serve_env(engine_dir, tmp_path, decode_max_num_seqs=4)
     http = ports["http"]
     proc = subprocess.Popen(

@@ -43,6 +43,7 @@ from disagg.remote.cache_route import (
 )
 
 log = logging.getLogger("disagg.remote")
+RESOLVE_S = 5.0  # a dns: name or file: list is looked at again this often
 
 
 @dataclass
@@ -113,7 +114,7 @@ class ReplicaSet:
         self,
         spec: str,
         probe: Callable[[str], bool],
-        resolve_s: float = 5.0,
+        resolve_s: float = RESOLVE_S,
         eject_s: float = 2.0,
         resolver: Callable[[str, int], list[str]] = resolve,
         clock: Callable[[], float] = time.monotonic,

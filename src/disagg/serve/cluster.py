@@ -1,12 +1,14 @@
 """`disagg cluster` (make cluster): a multi-server topology on this machine, for anyone to try.
 
-    disagg cluster [--prefill 2] [--decode 2] [--config serve.toml]
+    disagg cluster [--prefill 2] [--decode 2] [--config serve.toml] [--autoscale ...]
 
 Starts each node as its own `disagg serve --role <role>` process (own ports, own process
 group, own build directory under <build_dir>/cluster/): the prefill and decode servers first,
 then the frontend (gateway on its usual port 9000, Triton on 8000/8001) with the pools as
 replicas. Every node shares one internal token (generated here, never written to disk) and
-one admin key. Ctrl-C stops them all. On one 2-core machine this shows the topology and its
+one admin key. Ctrl-C stops them all; so does the death of this process (each node gets
+SIGTERM from the kernel). With --autoscale the live planner adds and drains pool servers
+as the load asks (ClusterActuator, docs/planner.md). On one 2-core machine this shows the topology and its
 failure handling, not speed: the nodes share the cores (docs/scale-out.md).
 """
 
@@ -21,11 +23,19 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from disagg import status as S
 from disagg.contracts import ADMIN_KEY_ENV, TOKEN_ENV, internal_token
+from disagg.process import die_with_parent
+from disagg.remote.replicas import RESOLVE_S
 from disagg.settings import ServeSettings
+
+if TYPE_CHECKING:
+    from disagg.planner.live import Targets
 
 BASE_PORT = 8100  # prefill servers from here, decode servers 100 higher, ten apart
 
@@ -45,28 +55,44 @@ class Node:
         return f"{self.env.get('DISAGG_HOST', '127.0.0.1')}:{self.env['DISAGG_GRPC_PORT']}"
 
 
+def pool_node(role: str, i: int, build_dir: Path, base_port: int = BASE_PORT) -> Node:
+    """The i-th server of a pool: its ports (ten apart from base_port, decode 100 higher)."""
+    base = base_port + (100 if role == "decode" else 0) + 10 * i
+    env = {
+        "DISAGG_ROLE": role,
+        "DISAGG_HTTP_PORT": str(base),
+        "DISAGG_GRPC_PORT": str(base + 1),
+        "DISAGG_METRICS_PORT": str(base + 2),
+        "DISAGG_KV_PORT": str(base + 5),
+        # its prefix cache's events, instance i on base + 6 + i (kvevents.py)
+        "DISAGG_KV_EVENTS_PORT": str(base + 6),
+        "DISAGG_BUILD_DIR": str(build_dir / f"{role}-{i}"),
+    }
+    return Node(f"{role}-{i}", role, env)
+
+
 def plan(
-    settings: ServeSettings, prefill: int, decode: int, build_dir: Path, base_port: int = BASE_PORT
+    settings: ServeSettings,
+    prefill: int,
+    decode: int,
+    build_dir: Path,
+    base_port: int = BASE_PORT,
+    lists: dict[str, Path] | None = None,
 ) -> list[Node]:
-    """The nodes of the topology, pools first, the frontend last."""
-    nodes = []
-    for role, count in (("prefill", prefill), ("decode", decode)):
-        for i in range(count):
-            base = base_port + (100 if role == "decode" else 0) + 10 * i
-            env = {
-                "DISAGG_ROLE": role,
-                "DISAGG_HTTP_PORT": str(base),
-                "DISAGG_GRPC_PORT": str(base + 1),
-                "DISAGG_METRICS_PORT": str(base + 2),
-                "DISAGG_KV_PORT": str(base + 5),
-                # its prefix cache's events, instance i on base + 6 + i (kvevents.py)
-                "DISAGG_KV_EVENTS_PORT": str(base + 6),
-                "DISAGG_BUILD_DIR": str(build_dir / f"{role}-{i}"),
-            }
-            nodes.append(Node(f"{role}-{i}", role, env))
+    """The nodes of the topology, pools first, the frontend last. With `lists` ({pool: a
+    file}), the frontend reads each pool's replicas from its file, re-read as it changes
+    (remote/replicas.py), so that pool servers can come and go (the live planner)."""
+    nodes = [
+        pool_node(role, i, build_dir, base_port)
+        for role, count in (("prefill", prefill), ("decode", decode))
+        for i in range(count)
+    ]
     replicas = {
         role: ",".join(n.grpc for n in nodes if n.role == role) for role in ("prefill", "decode")
     }
+    for role, path in (lists or {}).items():
+        write_list(path, replicas[role].split(","))
+        replicas[role] = f"file:{path}"
     frontend = {
         "DISAGG_ROLE": "frontend",
         "DISAGG_HTTP_PORT": str(settings.http_port),
@@ -78,6 +104,14 @@ def plan(
         "DISAGG_BUILD_DIR": str(build_dir / "frontend"),
     }
     return [*nodes, Node("frontend", "frontend", frontend)]
+
+
+def write_list(path: Path, addresses: list[str]) -> None:
+    """A pool's replica file, replaced whole (a reader never sees half of it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(a + "\n" for a in addresses if a))
+    os.replace(tmp, path)
 
 
 class Cluster:
@@ -103,6 +137,7 @@ class Cluster:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stopped as one
+            preexec_fn=die_with_parent(),  # SIGTERM when this process dies, even by SIGKILL
         )
         self.procs[node.name] = proc
         return proc
@@ -155,6 +190,95 @@ class Cluster:
                     proc.wait()
 
 
+class ClusterActuator:
+    """The live planner's hands in `disagg cluster --autoscale` (planner/autoscale.py). A pool
+    server is started as its own `disagg serve --role` process; once ready, its address is
+    added to the pool's replica file, which the frontend re-reads (remote/replicas.py).
+    Draining is the reverse: the address leaves the file first; after the frontend's re-read
+    (`RESOLVE_S`) no new request goes there; a decode server is left until its sequences
+    have finished (its disagg_decode_active_sequences, up to `drain_timeout_s`); then
+    SIGTERM, on which tritonserver finishes what is still in flight (drain_s) and exits.
+    The newest server leaves first. Each call blocks until done."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        build_dir: Path,
+        lists: dict[str, Path],
+        base_port: int = BASE_PORT,
+        drain_timeout_s: float = 120.0,
+        ready_timeout_s: float = 300.0,
+    ) -> None:
+        self.cluster = cluster
+        self.build_dir = build_dir
+        self.lists = lists
+        self.base_port = base_port
+        self.drain_timeout_s = drain_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+
+    def running(self, pool: str) -> list[Node]:
+        """The pool's servers, in the order they were started."""
+        return [n for n in self.cluster.nodes if n.role == pool]
+
+    def set_replicas(self, pool: str, count: int) -> None:
+        while len(self.running(pool)) < count:
+            self.add(pool)
+        while len(self.running(pool)) > count:
+            self.drain(self.running(pool)[-1])
+
+    def add(self, pool: str) -> Node:
+        used = {n.name for n in self.cluster.nodes}
+        i = next(i for i in range(len(used) + 1) if f"{pool}-{i}" not in used)
+        node = pool_node(pool, i, self.build_dir, self.base_port)
+        started = time.monotonic()
+        self.cluster.start(node)
+        try:
+            self.cluster.wait_ready([node], self.ready_timeout_s)
+        except (RuntimeError, TimeoutError):
+            self.cluster.stop(node.name)
+            self.cluster.procs.pop(node.name, None)
+            raise
+        self.cluster.nodes.insert(self._pools_end(), node)
+        self._write(pool)
+        print(
+            f"  {node.name} listed, {time.monotonic() - started:.1f} s after its start", flush=True
+        )
+        return node
+
+    def drain(self, node: Node) -> None:
+        started = time.monotonic()
+        self.cluster.nodes.remove(node)
+        self._write(node.role)
+        time.sleep(RESOLVE_S + 1.0)  # the frontend has re-read the file: nothing new comes
+        if node.role == "decode":
+            deadline = time.monotonic() + self.drain_timeout_s
+            while _active(node) > 0 and time.monotonic() < deadline:
+                time.sleep(0.5)
+        self.cluster.stop(node.name)
+        self.cluster.procs.pop(node.name, None)
+        print(
+            f"  {node.name} drained and stopped in {time.monotonic() - started:.1f} s", flush=True
+        )
+
+    def _write(self, pool: str) -> None:
+        write_list(self.lists[pool], [n.grpc for n in self.running(pool)])
+
+    def _pools_end(self) -> int:
+        """Where a pool server goes in the node list: before the frontend."""
+        return next((i for i, n in enumerate(self.cluster.nodes) if n.role == "frontend"),
+                    len(self.cluster.nodes))  # fmt: skip
+
+
+def _active(node: Node) -> float:
+    """The decode sequences a server still runs (0 once its metrics are unreadable)."""
+    url = node.http.rsplit(":", 1)[0] + f":{node.env['DISAGG_METRICS_PORT']}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return S.total(S.parse(r.read().decode()), "disagg_decode_active_sequences")
+    except OSError:
+        return 0.0
+
+
 def _ready(http: str) -> bool:
     try:
         with urllib.request.urlopen(f"{http}/v2/health/ready", timeout=2) as r:
@@ -164,15 +288,25 @@ def _ready(http: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from disagg.planner import autoscale
+
     p = argparse.ArgumentParser(prog="disagg cluster", description=__doc__.split("\n")[0])
     p.add_argument("--prefill", type=int, default=2, help="prefill servers")
     p.add_argument("--decode", type=int, default=2, help="decode servers")
     p.add_argument("--config", help="TOML settings every node starts from")
     p.add_argument("--base-port", type=int, default=BASE_PORT, help="first port of the pools")
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="the live planner starts and drains pool servers (docs/planner.md)",
+    )
+    autoscale.add_target_args(p)
     a = p.parse_args(argv)
+    targets = autoscale.targets_from(a) if a.autoscale else None
     settings = ServeSettings.load(a.config)
     build = settings.path("build_dir") / "cluster"
-    nodes = plan(settings, a.prefill, a.decode, build, a.base_port)
+    lists = {pool: build / f"{pool}-replicas.txt" for pool in ("prefill", "decode")}
+    nodes = plan(settings, a.prefill, a.decode, build, a.base_port, lists if a.autoscale else None)
     cluster = Cluster(nodes, a.config)
     print(f"starting {len(nodes)} servers (logs under {settings.path('build_dir')}/cluster/)")
     try:
@@ -189,11 +323,44 @@ def main(argv: list[str] | None = None) -> int:
         "Ctrl-C stops every server.",
         flush=True,
     )
-    stopping = []
+    stopping: list[int] = []
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    if targets is not None:
+        _autoscale(cluster, settings, build, lists, a, targets, lambda: bool(stopping))
     while not stopping:
         time.sleep(0.5)
     print("\nstopping every server ...", flush=True)
     cluster.stop()
     return 0
+
+
+def _autoscale(
+    cluster: Cluster,
+    settings: ServeSettings,
+    build: Path,
+    lists: dict[str, Path],
+    a: argparse.Namespace,
+    targets: Targets,
+    stopped: Callable[[], bool],
+) -> None:
+    """The live planner in this process until Ctrl-C; errors starting a server end it, not
+    the cluster."""
+    from disagg.planner.autoscale import Autoscaler
+    from disagg.planner.live import Planner
+
+    actuator = ClusterActuator(cluster, build, lists, a.base_port)
+    metrics = f"http://{settings.host}:{settings.metrics_port}/metrics"
+    scaler = Autoscaler(Planner(targets, a.prefill, a.decode), actuator, [metrics],
+                        a.planner_interval_s, a.planner_log)  # fmt: skip
+    if a.planner_port:
+        scaler.metrics.serve(a.planner_port, settings.host)
+    print(
+        f"live planner: prefill {a.prefill}..{targets.max_prefill}, decode "
+        f"{a.decode}..{targets.max_decode}, every {a.planner_interval_s:g} s",
+        flush=True,
+    )
+    try:
+        scaler.run(stopped)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"live planner stopped: {e}", file=sys.stderr, flush=True)
