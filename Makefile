@@ -42,9 +42,10 @@ serve: engine
 	$(PY) -m disagg serve $(if $(CONFIG),--config $(CONFIG),)
 
 # a frontend (gateway :9000, Triton :8000/8001), 2 prefill and 2 decode servers, as separate
-# processes on this machine (docs/scale-out.md); Ctrl-C stops them all
+# processes on this machine (docs/scale-out.md); Ctrl-C stops them all. AUTOSCALE=1: from
+# 1 prefill and 1 decode server, the live planner adds and drains them (docs/planner.md)
 cluster: engine
-	$(PY) -m disagg cluster $(if $(CONFIG),--config $(CONFIG),)
+	$(PY) -m disagg cluster $(if $(CONFIG),--config $(CONFIG),) $(if $(AUTOSCALE),--prefill 1 --decode 1 --autoscale,)
 
 # every test: unit, model (the real engine) and integration (real tritonserver processes)
 test: engine

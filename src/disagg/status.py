@@ -2,6 +2,7 @@
 
     disagg status                       # Triton metrics on 127.0.0.1:8002
     disagg status --gateway http://127.0.0.1:9000 --interval 2
+    disagg status --planner http://127.0.0.1:9400  # the live planner's decisions too
 
 Every interval it scrapes Triton's metrics port (and the gateway's /metrics) and shows the
 pools (queue, executions), decode instances (batch, waiting, KV in use), the prefill queue,
@@ -100,6 +101,7 @@ def render(
     now: list[Sample],
     seconds: float,
     gateway: tuple[list[Sample], list[Sample]] | None = None,  # its (before, now)
+    planner: list[Sample] | str | None = None,  # the live planner's /metrics now, or why not
 ) -> str:
     """One frame: what changed between two scrapes `seconds` apart."""
     lines = [time.strftime("disagg status  %H:%M:%S") + f"   (last {seconds:.0f} s)", ""]
@@ -222,7 +224,38 @@ def render(
         )
         inflight = total(g_now, "disagg_gateway_inflight_requests")
         lines += ["", f"gateway: {inflight:.0f} in flight, {reqs / seconds:.1f} requests/s"]
+    if isinstance(planner, str):
+        lines += ["", f"live planner: unreadable ({planner})"]
+    elif planner is not None:
+        lines += planner_lines(planner)
     return "\n".join(lines)
+
+
+def planner_lines(samples: list[Sample]) -> list[str]:
+    """What the live planner wants, what it decided (by reason) and what it last saw."""
+    wanted = {s.label("pool"): s.value for s in samples if s.name == "disagg_planner_replicas"}
+    out = [
+        "",
+        "live planner: wants " + ", ".join(f"{p} {n:.0f}" for p, n in sorted(wanted.items())),
+    ]
+    for s in sorted(
+        (s for s in samples if s.name == "disagg_planner_decisions_total"), key=lambda s: s.labels
+    ):
+        out.append(
+            f"  {s.label('pool'):<8}{s.label('action'):<5}{s.label('reason'):<10}{s.value:6.0f}"
+        )
+    seen = {s.label("signal"): s.value for s in samples if s.name == "disagg_planner_signal"}
+    if seen:
+
+        def ms(k: str) -> str:
+            return _ms(seen.get(k, math.nan)).strip()
+
+        out.append(
+            f"  last window: prefill queue p90 {ms('queue_p90_s')} ms, TTFT p90 "
+            f"{ms('ttft_p90_s')} ms, prefill busy {seen.get('prefill_busy', 0.0):.2f}, "
+            f"ITL p90 {ms('itl_p90_s')} ms, {seen.get('decode_in_flight', 0.0):.0f} decoding"
+        )
+    return out
 
 
 def _left_out(before: list[Sample], now: list[Sample], seconds: float) -> list[str]:
@@ -251,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="disagg status", description=__doc__.split("\n")[0])
     p.add_argument("--metrics", default="http://127.0.0.1:8002/metrics", help="Triton metrics")
     p.add_argument("--gateway", default="", help="gateway base URL (its /metrics is read)")
+    p.add_argument("--planner", default="", help="the live planner's base URL (its /metrics)")
     p.add_argument("--interval", type=float, default=2.0)
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     args = p.parse_args(argv)
@@ -269,7 +303,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nscrape failed: {e}; retrying", file=sys.stderr)
             continue
         gateway = None if gw_before is None or gw_now is None else (gw_before, gw_now)
-        frame = render(before, now, time.monotonic() - start, gateway)
+        planner: list[Sample] | str | None = None
+        if args.planner:
+            try:
+                planner = scrape(args.planner.rstrip("/") + "/metrics")
+            except OSError as e:
+                planner = str(e)
+        frame = render(before, now, time.monotonic() - start, gateway, planner)
         if args.once:
             print(frame)
             return 0

@@ -21,7 +21,7 @@ from disagg.settings import ServeSettings
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "cpu-planner")
 K8S_VERSION = "1.32.0"  # the kubectl on these machines
 USER_PROVIDED = {("Secret", "disagg-secrets"), ("PersistentVolumeClaim", "disagg-engines"),
                  ("PersistentVolumeClaim", "disagg-checkpoints")}  # fmt: skip
@@ -46,6 +46,11 @@ def rendered(request) -> tuple[str, list[dict]]:
 
 def by_kind(docs, kind: str) -> list[dict]:
     return [d for d in docs if d["kind"] == kind]
+
+
+def servers(docs) -> list[dict]:
+    """The Deployments that run `disagg serve` (not the live planner's)."""
+    return [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] != "disagg-planner"]
 
 
 def containers(dep: dict) -> list[dict]:
@@ -87,7 +92,8 @@ def test_services_select_pods_and_target_their_ports(rendered):
         for port in svc["spec"]["ports"]:
             assert port["targetPort"] in names, (svc["metadata"]["name"], port)
         headless = svc["spec"].get("clusterIP") == "None"
-        assert headless == (svc["metadata"]["name"] != "disagg-frontend")  # pools: DNS per pod
+        # pools (and the frontends, for the planner): DNS per pod
+        assert headless == (svc["metadata"]["name"] not in ("disagg-frontend", "disagg-planner"))
     for dep in deployments:  # a Deployment's selector picks its own pods
         labels = dep["spec"]["template"]["metadata"]["labels"]
         assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -103,7 +109,7 @@ def _settings(docs, env: dict, tmp_path: Path) -> ServeSettings:
 
 def test_ports_probes_and_roles_match_the_settings_the_pods_load(rendered, tmp_path):
     overlay, docs = rendered
-    for dep in by_kind(docs, "Deployment"):
+    for dep in servers(docs):
         (c,) = dep["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value", "x" * 32) for e in c["env"]}
         role = c["command"][c["command"].index("--role") + 1]
@@ -165,7 +171,7 @@ def test_startup_probes_wait_as_long_as_serve_does(rendered, tmp_path):
     """Two TensorRT-LLM pools may load for many minutes: a startupProbe shorter than serve's
     own budget would restart the pod mid-load, over and over."""
     overlay, docs = rendered
-    for dep in by_kind(docs, "Deployment"):
+    for dep in servers(docs):
         (c,) = dep["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value", "x" * 32) for e in c["env"]}
         role = c["command"][c["command"].index("--role") + 1]
@@ -184,7 +190,7 @@ def test_references_exist_or_are_the_users_and_no_secret_is_written_down(rendere
     defined = {(d["kind"], d["metadata"]["name"]) for d in docs}
     refs: set[tuple[str, str]] = set()
     for dep in by_kind(docs, "Deployment"):
-        for vol in dep["spec"]["template"]["spec"]["volumes"]:
+        for vol in dep["spec"]["template"]["spec"].get("volumes", []):
             if "configMap" in vol:
                 refs.add(("ConfigMap", vol["configMap"]["name"]))
             if "persistentVolumeClaim" in vol:
@@ -207,7 +213,7 @@ def test_references_exist_or_are_the_users_and_no_secret_is_written_down(rendere
 
 def test_images_are_pinned(rendered):
     overlay, docs = rendered
-    flavour = {"cpu": "-cpu", "gpu": "-trtllm"}[overlay]  # deploy/Dockerfile's two bases
+    flavour = "-trtllm" if overlay == "gpu" else "-cpu"  # deploy/Dockerfile's two bases
     for dep in by_kind(docs, "Deployment"):
         for c in containers(dep):
             name, _, tag = c["image"].rpartition(":")
@@ -215,7 +221,9 @@ def test_images_are_pinned(rendered):
 
 
 def test_each_pool_scales_on_a_queue_metric_the_project_exports(rendered):
-    _, docs = rendered
+    overlay, docs = rendered
+    if overlay == "cpu-planner":
+        return  # its HPAs follow the planner instead (the test below)
     rules = yaml.safe_load((K8S / "prometheus-adapter" / "rules.yaml").read_text())
     exposed = {}
     for rule in rules["rules"]["custom"]:
@@ -232,3 +240,47 @@ def test_each_pool_scales_on_a_queue_metric_the_project_exports(rendered):
         series = exposed[metric["pods"]["metric"]["name"]]
         assert series in ours | TRITON_METRICS, series
     assert exposed["disagg_decode_waiting_sequences"] in ours
+
+
+def test_with_the_planner_each_hpa_follows_the_planners_count_for_its_pool():
+    """The component's planner reads every frontend pod (a headless Service on their metrics
+    port), publishes disagg_planner_replicas{pool}, which prometheus-adapter exposes as an
+    external metric; each pool's HPA takes it as its desired count (target 1 per replica),
+    and the planner's bounds are the HPAs'. Its pod gets no API token: it calls no API."""
+    from disagg.planner.autoscale import parser, targets_from
+
+    docs = render("cpu-planner")
+    (dep,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "disagg-planner"]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    (c,) = pod["containers"]
+    assert c["command"][:4] == ["python3", "-m", "disagg", "planner"]
+    a = parser().parse_args(c["command"][4:])
+    targets = targets_from(a)
+    assert a.observe and a.host == "0.0.0.0"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"metrics": a.planner_port}
+    (source,) = a.metrics
+    name, port = source.removeprefix("dns:").split(":")
+    (svc,) = [s for s in by_kind(docs, "Service") if s["metadata"]["name"] == name]
+    assert svc["spec"]["clusterIP"] == "None"
+    front = next(d for d in servers(docs) if d["metadata"]["name"] == "disagg-frontend")
+    labels = front["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    (svc_port,) = svc["spec"]["ports"]
+    (fc,) = front["spec"]["template"]["spec"]["containers"]
+    named = {p["name"]: p["containerPort"] for p in fc["ports"]}
+    assert svc_port["port"] == int(port) == named[svc_port["targetPort"]]
+    rules = yaml.safe_load((K8S / "prometheus-adapter" / "rules.yaml").read_text())
+    external = {r["name"]["as"]: r["seriesQuery"] for r in rules["rules"]["external"]}
+    hpas = {h["metadata"]["name"]: h for h in by_kind(docs, "HorizontalPodAutoscaler")}
+    for pool, most in (("prefill", targets.max_prefill), ("decode", targets.max_decode)):
+        hpa = hpas[f"disagg-{pool}"]
+        (metric,) = hpa["spec"]["metrics"]
+        ext = metric["external"]
+        assert metric["type"] == "External" and ext["target"] == {
+            "type": "AverageValue", "averageValue": "1",
+        }  # fmt: skip
+        assert ext["metric"]["selector"] == {"matchLabels": {"pool": pool}}
+        assert external[ext["metric"]["name"]].startswith(M.PLANNER_REPLICAS.name + "{")
+        assert "pool" in M.PLANNER_REPLICAS.labels
+        assert hpa["spec"]["maxReplicas"] == most

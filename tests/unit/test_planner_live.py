@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -213,3 +214,37 @@ def test_observed_replica_counts_follow_the_frontend():
                    for i in range(4))  # fmt: skip
     scaler.step(S.parse(up), t=0.0)
     assert scaler.planner.replicas(DECODE) == 3 and scaler.planner.replicas(PREFILL) == 1
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--cooldown-s", "0"], "cooldown_s"),
+        (["--queue-ms", "nan"], "queue_s"),
+        (["--max-prefill", "-1"], "max_prefill"),
+        (["--min-decode", "3", "--max-decode", "2"], "--min is above its --max"),
+    ],
+)
+def test_bad_planner_settings_are_refused_with_what_is_wrong(args, says):
+    import argparse
+
+    from disagg.planner.autoscale import add_target_args, targets_from
+
+    p = argparse.ArgumentParser()
+    add_target_args(p)
+    with pytest.raises(SystemExit, match=says):
+        targets_from(p.parse_args(args))
+
+
+def test_disagg_status_shows_what_the_planner_wants_decided_and_saw():
+    scaler = Autoscaler(Planner(T, 1, 1), Recorder(), [])
+    for i in range(0, 8):
+        n = 5 * max(0, i - 4)
+        now = _text({1.0: 0, 4.0: n, math.inf: n}, {1.0: 0, math.inf: 0}, 1.0 * n, 0)
+        scaler.step(now, t=float(i))
+    exposed = S.parse(generate_latest(scaler.metrics.registry).decode())
+    frame = S.render([], [], 2.0, planner=exposed)
+    assert "live planner: wants decode 1, prefill 2" in frame
+    assert re.search(r"prefill\s+up\s+queue\s+1\b", frame), frame
+    assert re.search(r"prefill queue p90 \d+ ms", frame), frame
+    assert "live planner: unreadable (refused)" in S.render([], [], 2.0, planner="refused")

@@ -184,7 +184,9 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--up-for-s", type=float, default=d.up_for_s)
     g.add_argument("--down-for-s", type=float, default=d.down_for_s)
     g.add_argument("--cooldown-s", type=float, default=d.cooldown_s)
+    g.add_argument("--min-prefill", type=int, default=d.min_prefill)
     g.add_argument("--max-prefill", type=int, default=d.max_prefill)
+    g.add_argument("--min-decode", type=int, default=d.min_decode)
     g.add_argument("--max-decode", type=int, default=d.max_decode)
     g.add_argument("--planner-interval-s", type=float, default=2.0)
     g.add_argument("--planner-port", type=int, default=0, help="the planner's /metrics (0: none)")
@@ -195,15 +197,18 @@ def targets_from(a: argparse.Namespace) -> Targets:
     t = Targets(
         ttft_s=a.slo_ttft_ms / 1e3, queue_s=a.queue_ms / 1e3, itl_s=a.slo_itl_ms / 1e3,
         decode_seqs=a.decode_seqs, up_for_s=a.up_for_s, down_for_s=a.down_for_s,
-        cooldown_s=a.cooldown_s, max_prefill=a.max_prefill, max_decode=a.max_decode,
+        cooldown_s=a.cooldown_s, min_prefill=a.min_prefill, max_prefill=a.max_prefill,
+        min_decode=a.min_decode, max_decode=a.max_decode,
     )  # fmt: skip
     bad = [k for k, v in asdict(t).items() if not (isinstance(v, int | float) and v > 0)]
     if bad or math.isnan(t.ttft_s):
         raise SystemExit(f"disagg planner: these must be positive: {', '.join(bad)}")
+    if t.min_prefill > t.max_prefill or t.min_decode > t.max_decode:
+        raise SystemExit("disagg planner: a pool's --min is above its --max")
     return t
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disagg planner", description=__doc__.split("\n")[0])
     p.add_argument("--metrics", action="append", required=True,
                    help="a frontend's Triton metrics URL (repeat for each frontend)")  # fmt: skip
@@ -213,7 +218,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="follow the replica counts the frontends see (Kubernetes)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address of the planner's /metrics")
     add_target_args(p)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     planner = Planner(targets_from(a), a.prefill, a.decode)
     scaler = Autoscaler(planner, DesiredReplicas(), a.metrics, a.planner_interval_s,
                         a.planner_log, observe=a.observe)  # fmt: skip

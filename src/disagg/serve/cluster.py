@@ -8,8 +8,8 @@ then the frontend (gateway on its usual port 9000, Triton on 8000/8001) with the
 replicas. Every node shares one internal token (generated here, never written to disk) and
 one admin key. Ctrl-C stops them all; so does the death of this process (each node gets
 SIGTERM from the kernel). With --autoscale the live planner adds and drains pool servers
-as the load asks (ClusterActuator, docs/planner.md). On one 2-core machine this shows the topology and its
-failure handling, not speed: the nodes share the cores (docs/scale-out.md).
+as the load asks (ClusterActuator, docs/planner.md). On one 2-core machine this shows the
+topology and its failure handling, not speed: the nodes share the cores (docs/scale-out.md).
 """
 
 from __future__ import annotations
