@@ -80,3 +80,56 @@ def test_plan_prints_the_best_topologies_ranked_per_node(tmp_path, capsys):
     assert [r.split("|")[2].strip() for r in rows] and len(rows) == 2
     assert {r.split("|")[2].strip() for r in rows} == {"colocated:2d", "disaggregated:1p1d"}
     assert "trace: TTFT <= 1000 ms, TPOT <= 30 ms" in out
+
+
+@pytest.mark.parametrize("modes", ["disaggregated", "colocated"])
+def test_plan_writes_the_best_topology_out_as_settings_a_cluster_and_an_overlay(
+    tmp_path, capsys, modes
+):
+    """The written files run what was chosen: serve.toml loads as settings with its mode,
+    cluster.sh starts its servers, and the overlay renders (kubectl kustomize) with the
+    pools' replicas, HPA floors at the plan, and the same settings in every pod."""
+    import shutil
+    import subprocess
+
+    import yaml
+
+    from disagg.settings import ServeSettings
+
+    path = tmp_path / "profile.json"
+    simple_profile().save(path)
+    out = tmp_path / "plan"
+    argv = ["--profile", str(path), "--nodes", "3", "--trace", small_trace(tmp_path / "t.jsonl"),
+            "--slo", "trace=1000:30", "--modes", modes, "--write", str(out),
+            "--max-num-seqs", "8"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    first = [r for r in printed.splitlines() if r.startswith("| 1 |")][0]
+    name = first.split("|")[2].strip()
+    chosen = Topology.parse(name)
+    s = ServeSettings.load(out / "serve.toml", env={})
+    assert (s.mode, s.decode_max_num_seqs) == (modes, 8)
+    assert name in (out / "serve.toml").read_text().splitlines()[0]
+    sh = (out / "cluster.sh").read_text()
+    assert f"--prefill {chosen.num_prefill} --decode {chosen.num_decode}" in sh
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the written overlay was NOT rendered")
+    rendered = subprocess.run([kubectl, "kustomize", str(out)], capture_output=True, text=True,
+                              timeout=60, check=True).stdout  # fmt: skip
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    deps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    assert deps["disagg-prefill"]["spec"]["replicas"] == chosen.num_prefill
+    assert deps["disagg-decode"]["spec"]["replicas"] == chosen.num_decode
+    for dep in deps.values():
+        env = {
+            e["name"]: e.get("value")
+            for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+        assert env["DISAGG_MODE"] == modes and env["DISAGG_DECODE_MAX_NUM_SEQS"] == "8"
+    hpas = {d["metadata"]["name"]: d for d in docs if d["kind"] == "HorizontalPodAutoscaler"}
+    assert hpas["disagg-decode"]["spec"]["minReplicas"] == chosen.num_decode
+    if chosen.num_prefill:
+        assert hpas["disagg-prefill"]["spec"]["minReplicas"] == chosen.num_prefill
+    else:
+        assert "disagg-prefill" not in hpas

@@ -2,7 +2,7 @@
 topologies and print the best few by predicted goodput per node.
 
     disagg plan --profile results/profile.json --nodes 4 --workload mixed \\
-        --slo critical=800:60 --slo standard=3000:80
+        --slo critical=800:60 --slo standard=3000:80 [--write plans/mixed-4]
 
 Candidates with N nodes: colocated with N decode nodes, and for disaggregated and
 conditional every split P prefill + D decode (P, D >= 1, P + D = N); `--max-nodes` also
@@ -19,6 +19,7 @@ import argparse
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from disagg.bench import report as R
@@ -26,7 +27,7 @@ from disagg.bench.stats import SLO, ClassSummary, measured, summarize
 from disagg.bench.sweep import calibration_specs
 from disagg.contracts import COLOCATED, MODES
 from disagg.errors import ConfigError
-from disagg.planner import options
+from disagg.planner import options, write_out
 from disagg.planner.profile import Profile
 from disagg.planner.simulator import Simulator, cost_model_for
 from disagg.planner.sweep import trace_calibration
@@ -151,6 +152,12 @@ def parser() -> argparse.ArgumentParser:
         "--every-class", action="store_true",
         help="a rate counts only when each class meets its SLO (default: all requests together)",
     )  # fmt: skip
+    p.add_argument(
+        "--write", type=Path, default=None, metavar="DIR",
+        help="write the best topology out: serve.toml, cluster.sh, kustomization.yaml",
+    )  # fmt: skip
+    p.add_argument("--overlay", choices=("cpu", "gpu"), default="cpu",
+                   help="the Kubernetes overlay the written one builds on")  # fmt: skip
     options.add_workload(p)
     options.add_engine(p)
     p.set_defaults(num_requests=120)
@@ -184,6 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{requests.name} on up to {a.nodes} nodes; SLO {slo_text}; profile: "
           f"{profile.describe().splitlines()[0]}\n")  # fmt: skip
     print(table(best[: a.top], requests.classes))
+    if a.write is not None:
+        top = best[0]
+        why = (
+            f"disagg plan: {write_out.describe(top.topology)}; predicted goodput "
+            f"{top.goodput:.3g} req/s ({top.per_node:.3g} per node) for {requests.name}; "
+            f"SLO {slo_text}"
+        )
+        for path in write_out.write(top.topology, a.write, why, a.overlay):
+            print(f"wrote {path}")
     if any(c.goodput == 0 for c in best[: a.top]):
         print("goodput 0: fewer than 90% met the SLO even at the lowest rate tried, where "
               "requests barely overlap: the SLO is tighter than these nodes serve the "
