@@ -340,6 +340,11 @@ GATEWAY_INFLIGHT = _m(
     GAUGE,
     "Requests the gateway is serving now",
 )
+GATEWAY_HELD = _m(
+    "disagg_gateway_held_requests",
+    GAUGE,
+    "Of those, the ones held back while Triton is replaced (a planned restart)",
+)
 
 # ------------------------------------------------------------------ live planner (its /metrics)
 PLANNER_DECISIONS = _m(

@@ -44,6 +44,11 @@ class ServeSettings:
     # a model whose stub died and that is not READY again this long after its reload began is
     # given up on: the whole tritonserver is restarted (see serve/supervisor.py)
     recover_timeout_s: float = 60.0
+    # once this many stubs died since tritonserver started, or with any dead its threads grew
+    # by this share, it is replaced losing no gateway request (serve/recycle.py); 0: off
+    recycle_after_faults: int = 3
+    recycle_thread_growth: float = 0.5
+    recycle_drain_s: float = 120.0
     startup_timeout_s: float = 0.0  # serve's wait for READY (0: by engine, startup_budget_s)
     # on SIGTERM, in-flight requests get this long to finish before the server exits (new
     # ones are refused at once); keep it under Kubernetes' terminationGracePeriodSeconds
@@ -180,24 +185,18 @@ class ServeSettings:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name} must be >= 1")
-        if self.compute_dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(
-                "setting compute_dtype must be auto, float32 or bfloat16, "
-                f"got {self.compute_dtype!r}"
-            )
-        if self.weights not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(
-                f"setting weights must be auto, float32 or bfloat16, got {self.weights!r}"
-            )
-        if self.decode_activations not in ACTIVATIONS:
-            raise ConfigError(
-                "setting decode_activations must be float32 or int8, "
-                f"got {self.decode_activations!r}"
-            )
-        if self.engine_backend not in ("pytorch", "tensorrt_llm"):
-            raise ConfigError(
-                f"setting engine_backend: pytorch or tensorrt_llm, not {self.engine_backend!r}"
-            )
+        for name, allowed in (
+            ("compute_dtype", ("auto", "float32", "bfloat16")),
+            ("weights", ("auto", "float32", "bfloat16")),
+            ("decode_activations", ACTIVATIONS),
+            ("engine_backend", ("pytorch", "tensorrt_llm")),
+            ("replica_choice", ("cache_aware", "load")),
+        ):
+            if (value := getattr(self, name)) not in allowed:
+                *head, last = allowed
+                raise ConfigError(
+                    f"setting {name} must be {', '.join(head)} or {last}, got {value!r}"
+                )
         parse_cpus(self.cpus)
         if self.role not in ROLES:
             raise ConfigError(f"setting role must be one of {ROLES}, got {self.role!r}")
@@ -210,10 +209,6 @@ class ServeSettings:
                 "with engine_backend tensorrt_llm each pool is one process (TensorRT-LLM batches "
                 "and parallelises inside it): set prefill_instances and decode_instances to 1 "
                 "and run more replicas as more servers"
-            )
-        if self.replica_choice not in ("cache_aware", "load"):
-            raise ConfigError(
-                f"setting replica_choice must be cache_aware or load, got {self.replica_choice!r}"
             )
         if self.conditional_remote_stall > 1 or not 0 <= self.prefill_nice <= 19:
             raise ConfigError("need conditional_remote_stall in 0..1 and prefill_nice in 0..19")

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
+from helpers.processes import OutputLines
 from helpers.triton_server import free_port_base, free_ports, serve_env
 
 from disagg import contracts as C
@@ -78,28 +79,6 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2]
 
 
-class Lines:
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.lines: list[tuple[float, str]] = []
-        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
-
-    def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            self.lines.append((time.monotonic(), line))
-
-    def wait(self, text: str, timeout_s: float) -> float:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for t, line in list(self.lines):
-                if text in line:
-                    return t
-            time.sleep(0.2)
-        raise AssertionError(f"no {text!r} in {timeout_s:.0f} s:\n{self.text()}")
-
-    def text(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-
 def test_the_planner_adds_a_prefill_server_under_load_and_drains_it_after(tmp_path, engine_dir):
     base = free_port_base(47400, 130)
     (planner_port,) = free_ports(1)
@@ -117,7 +96,7 @@ def test_the_planner_adds_a_prefill_server_under_load_and_drains_it_after(tmp_pa
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
-    out = Lines(proc)
+    out = OutputLines(proc)
     load = Load(f"http://127.0.0.1:{ports['http']}")
     try:
         out.wait("live planner:", 300)
@@ -126,7 +105,7 @@ def test_the_planner_adds_a_prefill_server_under_load_and_drains_it_after(tmp_pa
         load.halt()
         heavy = time.monotonic()
         load.start(CLIENTS, 400)  # prompts arrive faster than one prefill core computes them
-        listed = out.wait("prefill-1 listed", 30 + 120)  # decided in 30 s, then its start
+        listed, _ = out.wait("prefill-1 listed", 30 + 120)  # decided in 30 s, then its start
         decided = _decisions(log)[0]
         assert (decided["pool"], decided["action"], decided["replicas"]) == ("prefill", "up", 2)
         assert decided["reason"] in ("queue", "ttft"), decided
@@ -146,7 +125,7 @@ def test_the_planner_adds_a_prefill_server_under_load_and_drains_it_after(tmp_pa
         assert S.total(served, "disagg_replica_requests_total", replica=new_addr) > 0
         load.start(1, 16, pause_s=0.3)  # light again: the second server drains
         light = time.monotonic()
-        drained = out.wait("prefill-1 drained and stopped", 8 + COOLDOWN_S + 60)
+        drained, _ = out.wait("prefill-1 drained and stopped", 8 + COOLDOWN_S + 60)
         print(f"light load -> drained and stopped {drained - light:.1f} s")
         time.sleep(3)
         load.halt()

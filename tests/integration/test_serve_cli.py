@@ -11,9 +11,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
+from helpers.processes import child
 from helpers.triton_server import serve_env
 
 from disagg import contracts as C
@@ -71,7 +71,7 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         # RETRY_S, 5 s) passes, or is served if Triton is back within it (a fast machine
         # restarts it in about that time); never a hang or another error. Serve keeps the
         # crash log and brings Triton back
-        triton = _child(proc.pid, "tritonserver")
+        triton = child(proc.pid, "tritonserver")
         os.kill(triton, signal.SIGKILL)
         try:
             during = openai.OpenAI(
@@ -88,7 +88,7 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
             assert time.monotonic() < deadline + 240 and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
         assert list(tmp_path.glob("tritonserver.crash-*.log"))
-        assert _child(proc.pid, "tritonserver") != triton
+        assert child(proc.pid, "tritonserver") != triton
         reply = client.chat.completions.create(
             model="smollm2-135m-instruct",
             messages=[{"role": "user", "content": "Hi"}],
@@ -99,7 +99,7 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         # decode's stub dies and its replacement hangs in its start (seen once in nine
         # kills): the model stays LOADING, /ready says so, and within the recovery time the
         # server is restarted; then everything serves again
-        triton = _child(proc.pid, "tritonserver")
+        triton = child(proc.pid, "tritonserver")
         wedged_at = _wedge_decode_reload(triton)
         ready = f"http://127.0.0.1:{gateway}/ready"
         time.sleep(2)
@@ -109,7 +109,7 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
             assert time.monotonic() < wedged_at + RECOVER_S + 120, "".join(lines)
             lines.append(proc.stdout.readline())
         assert any("restarting the server" in line for line in lines[mark:]), "".join(lines)
-        assert _child(proc.pid, "tritonserver") != triton
+        assert child(proc.pid, "tritonserver") != triton
         assert _status(ready) == 200
         reply = client.chat.completions.create(
             model="smollm2-135m-instruct",
@@ -157,15 +157,3 @@ def _wedge_decode_reload(server: int) -> float:
             return time.monotonic()
         time.sleep(0.01)
     raise AssertionError("the supervisor started no new decode stub")
-
-
-def _child(parent: int, name: str) -> int:
-    """The pid of `parent`'s child process called `name`."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)
-            if int(fields[1].split()[1]) == parent and fields[0].endswith("(" + name[:15]):
-                return int(stat.parent.name)
-        except (OSError, ValueError, IndexError):
-            continue
-    raise AssertionError(f"no child {name!r} of {parent}")

@@ -24,6 +24,8 @@ from disagg.gateway.backend import TritonBackend
 from disagg.gateway.http import MAX_HEAD_BYTES, H11HeadLimit
 from disagg.gateway.openai_api import MAX_N
 from disagg.gateway.registry import Registry
+from disagg.hold import FILE as HOLD_FILE
+from disagg.hold import Hold
 from disagg.settings import ServeSettings
 
 
@@ -49,18 +51,24 @@ def build_config(settings: ServeSettings, env: Mapping[str, str] = os.environ) -
                 f"no API keys: set {KEYS_ENV}, or put sha256:<hex> lines in {settings.keys_file} "
                 "(make serve creates one key when there are none)"
             )
+    backend = TritonBackend(
+        settings.gateway_triton_url or f"{settings.host}:{settings.grpc_port}",
+        settings.gateway_timeout_s,
+    )
+    backend.hold = _hold(settings)  # serve's planned restarts (serve/recycle.py)
     return GatewayConfig(
         keys=keys,
         limiter=RateLimiter(settings.gateway_rpm, settings.gateway_tpm),
         registry=Registry(settings.path("gateway_models")),
-        backend=TritonBackend(
-            settings.gateway_triton_url or f"{settings.host}:{settings.grpc_port}",
-            settings.gateway_timeout_s,
-        ),
+        backend=backend,
         admin_key=env.get(ADMIN_KEY_ENV) or None,
         max_body_bytes=settings.gateway_max_body_bytes,
         max_n=min(MAX_N, settings.decode_max_num_seqs),
     )
+
+
+def _hold(settings: ServeSettings) -> Hold:
+    return Hold(settings.path("build_dir") / HOLD_FILE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,6 +72,7 @@ class Probes:
 def create_app(cfg: GatewayConfig) -> Starlette:
     metrics = GatewayMetrics()
     cfg.backend.on_retry = metrics.retries.inc
+    cfg.backend.on_hold = metrics.held.inc
     probes = Probes(cfg.registry, cfg.backend, metrics)
     api = OpenAIRoutes(
         cfg.keys, cfg.limiter, cfg.registry, cfg.backend, metrics, cfg.max_body_bytes, cfg.max_n

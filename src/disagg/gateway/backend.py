@@ -21,6 +21,7 @@ from disagg import contracts as C
 from disagg.codec.generate import RouterReply, RouterRequest
 from disagg.codec.tensors import gather, triton_dtype
 from disagg.gateway.errors import APIError
+from disagg.hold import Hold
 from disagg.process import process_alive, stub_args
 
 
@@ -188,8 +189,10 @@ class TritonBackend:
         # nothing on another host, where a dead stub's requests still hang: Triton's own)
         self.watch = is_local(url)
         self._client: grpcaio.InferenceServerClient | None = None
-        # metrics: a request tried again (Triton unreachable)
+        # metrics: a request tried again (Triton unreachable); held back (+1) and let go (-1)
         self.on_retry: Callable[[], None] = lambda: None
+        self.on_hold: Callable[[int], None] = lambda _: None
+        self.hold: Hold | None = None  # a planned restart of Triton holds new requests
 
     @property
     def client(self) -> grpcaio.InferenceServerClient:
@@ -226,7 +229,14 @@ class TritonBackend:
         be reached for (nothing came back yet) is tried again for up to RETRY_S: the server
         may be restarting, and the request never reached it, so nothing is duplicated. So is
         one whose router process died before any text came back (`_watched`): the orchestrator
-        drops a dead caller's requests, so nothing is duplicated either."""
+        drops a dead caller's requests, so nothing is duplicated either. While a planned
+        restart of Triton holds new requests (disagg/hold.py), this one waits for it first."""
+        if self.hold is not None and self.hold.active():
+            self.on_hold(1)
+            try:
+                await self.hold.wait()
+            finally:
+                self.on_hold(-1)
         deadline = asyncio.get_running_loop().time() + RETRY_S
         while True:
             pieces = self._generate_once(model, version, request_id, inputs)

@@ -42,6 +42,7 @@ class GatewayMetrics:
             _name(M.GATEWAY_ERRORS), M.GATEWAY_ERRORS.help, M.GATEWAY_ERRORS.labels, registry=r
         )
         self.inflight = Gauge(_name(M.GATEWAY_INFLIGHT), M.GATEWAY_INFLIGHT.help, registry=r)
+        self.held = Gauge(_name(M.GATEWAY_HELD), M.GATEWAY_HELD.help, registry=r)
 
     def finished(self, api: str, model: str, status: int, seconds: float) -> None:
         self.requests.labels(api, model, str(status)).inc()

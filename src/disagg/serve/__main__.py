@@ -19,6 +19,9 @@ from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV
 from disagg.engine.config import QUANT_WEIGHTS_FILE
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
+from disagg.hold import FILE as HOLD_FILE
+from disagg.hold import Hold
+from disagg.serve import recycle
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import Endpoints, TritonServer
 from disagg.settings import ROLES, ServeSettings
@@ -40,6 +43,7 @@ def first_api_key(settings: ServeSettings) -> str | None:
 
 
 MAX_CRASHES_PER_HOUR = 5
+RECYCLE_CHECK_S = 5.0  # how often the server's footprint is measured (serve/recycle.py)
 
 
 def restart_triton(server: TritonServer, crashes_this_hour: int) -> bool:
@@ -66,6 +70,37 @@ def restart_triton(server: TritonServer, crashes_this_hour: int) -> bool:
         print(f"error: restart failed: {e}", file=sys.stderr)
         return False
     print("tritonserver is back", file=sys.stderr, flush=True)
+    return True
+
+
+def recycle_triton(
+    settings: ServeSettings, server: TritonServer, gateway: GatewayProcess, why: str
+) -> bool:
+    """Replace a running tritonserver losing no gateway request (serve/recycle.py): hold new
+    ones, drain the sent ones, restart, release."""
+    print(f"replacing tritonserver: {why}", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    hold = Hold(settings.path("build_dir") / HOLD_FILE)
+    hold_s = settings.recycle_drain_s + settings.drain_s + settings.startup_budget_s + 60
+    url = f"{gateway.url}/metrics" if settings.gateway_enabled else None
+    left = recycle.drain(hold, url, settings.recycle_drain_s, hold_s)
+    drained = time.monotonic() - started
+    try:
+        server.stop()
+        server.start()
+        server.wait_ready()
+    except (ConfigError, RuntimeError, TimeoutError) as e:
+        print(f"error: replacing tritonserver failed: {e}", file=sys.stderr)
+        return False
+    finally:
+        hold.end()
+    print(
+        f"tritonserver replaced in {time.monotonic() - started:.1f} s (drained in {drained:.1f} s"
+        + (f", {left:.0f} requests still running were cut" if left else "")
+        + ")",
+        file=sys.stderr,
+        flush=True,
+    )
     return True
 
 
@@ -210,6 +245,11 @@ def supervise(settings: ServeSettings, server: TritonServer, gateway: GatewayPro
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     crashes: list[float] = []
+    Hold(settings.path("build_dir") / HOLD_FILE).end()  # one a crash of ours left
+    recycler = recycle.Recycler(settings.recycle_after_faults, settings.recycle_thread_growth)
+    assert server.proc is not None, "started"
+    recycler.settle(server.proc.pid)
+    next_check = time.monotonic() + RECYCLE_CHECK_S
     while not stopping:
         if settings.gateway_enabled and _exited(gateway.proc):  # stateless: restart
             print(f"gateway exited; restarting. Log:\n{gateway.log_tail()}", file=sys.stderr)
@@ -220,6 +260,17 @@ def supervise(settings: ServeSettings, server: TritonServer, gateway: GatewayPro
             if not restart_triton(server, len(crashes)):
                 gateway.stop()
                 return 1
+            assert server.proc is not None, "restarted"
+            recycler.settle(server.proc.pid)
+        elif time.monotonic() >= next_check and server.proc is not None:
+            next_check = time.monotonic() + RECYCLE_CHECK_S
+            why = recycler.due(recycle.footprint(server.proc.pid))
+            if why is not None:
+                if not recycle_triton(settings, server, gateway, why):
+                    gateway.stop()
+                    return 1
+                assert server.proc is not None, "restarted"
+                recycler.settle(server.proc.pid)
         time.sleep(0.5)
     print("\nstopping ...", flush=True)
     if settings.gateway_enabled:

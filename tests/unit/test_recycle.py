@@ -1,0 +1,115 @@
+"""The planned restart's parts (serve/recycle.py, disagg/hold.py) on real processes, files and
+sockets: the footprint of a process, when a restart is due, the hold, the drain."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from disagg.hold import Hold
+from disagg.serve.recycle import Footprint, Recycler, drain, footprint
+from disagg.serve.supervisor import SHM_PREFIX
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_footprint_counts_threads_rss_and_regions_mapped_after_their_file_went(tmp_path):
+    before = footprint(os.getpid())
+    assert before.threads >= 1 and before.rss_mb > 1
+    path = f"/dev/shm/{SHM_PREFIX}test_{os.getpid()}"
+    with open(path, "w+b") as f:
+        f.truncate(1 << 16)
+        region = mmap.mmap(f.fileno(), 1 << 16)
+    try:
+        assert footprint(os.getpid()).dead_regions == before.dead_regions  # its file is there
+        os.unlink(path)  # as the supervisor removes a dead stub's file
+        assert footprint(os.getpid()).dead_regions == before.dead_regions + 1
+        stop = threading.Event()
+        t = threading.Thread(target=stop.wait)
+        t.start()
+        assert footprint(os.getpid()).threads == before.threads + 1
+        stop.set()
+        t.join()
+    finally:
+        region.close()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_a_restart_is_due_only_after_stubs_died():
+    r = Recycler(after_faults=3, thread_growth=0.5)
+    r.baseline = Footprint(100, 1000, 0)
+    assert r.due(Footprint(400, 3000, 0)) is None  # load alone never recycles
+    assert r.due(Footprint(120, 1000, 2)) is None
+    assert "3 stubs died" in r.due(Footprint(120, 1000, 3))
+    assert "threads 100 -> 150" in r.due(Footprint(150, 1000, 1))
+    off = Recycler(after_faults=0, thread_growth=0)
+    off.baseline = Footprint(100, 1000, 0)
+    assert off.due(Footprint(900, 1000, 50)) is None
+
+
+def test_a_hold_holds_until_it_ends_or_its_deadline_passes(tmp_path):
+    hold = Hold(tmp_path / "h")
+    assert not hold.active()
+    hold.begin(30)
+    assert hold.active()
+
+    async def waiter() -> tuple[bool, float]:
+        t = time.monotonic()
+        held = await hold.wait(poll_s=0.02)
+        return held, time.monotonic() - t
+
+    threading.Timer(0.3, hold.end).start()
+    held, waited = asyncio.run(waiter())
+    assert held and 0.25 < waited < 2
+    assert asyncio.run(hold.wait()) is False  # nothing to wait for
+    hold.begin(-1)  # a file a crash left, its deadline past: holds nothing
+    assert not hold.active()
+    (tmp_path / "h").write_text("garbage")
+    assert not hold.active()
+
+
+class _Gateway(BaseHTTPRequestHandler):
+    busy: list[tuple[float, float]] = []  # (in flight, held) per scrape, the last one repeats
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        inflight, held = self.busy.pop(0) if len(self.busy) > 1 else self.busy[0]
+        body = (f"disagg_gateway_inflight_requests {inflight}\n"
+                f"disagg_gateway_held_requests {held}\n").encode()  # fmt: skip
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def gateway():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Gateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+
+
+def test_the_drain_holds_new_requests_and_waits_for_the_sent_ones(tmp_path, gateway):
+    hold = Hold(tmp_path / "h")
+    _Gateway.busy = [(3, 1), (2, 1), (3, 3)]  # the last: all in flight are held ones
+    t = time.monotonic()
+    assert drain(hold, gateway, drain_s=10, hold_s=60) == 0
+    assert hold.active() and time.monotonic() - t < 5
+
+
+def test_the_drain_stops_waiting_at_its_limit_and_says_how_many_were_left(tmp_path, gateway):
+    hold = Hold(tmp_path / "h")
+    _Gateway.busy = [(2, 0)]
+    t = time.monotonic()
+    assert drain(hold, gateway, drain_s=0.5, hold_s=60) == 2
+    assert 0.5 <= time.monotonic() - t < 3
