@@ -343,7 +343,7 @@ GATEWAY_INFLIGHT = _m(
 GATEWAY_HELD = _m(
     "disagg_gateway_held_requests",
     GAUGE,
-    "Of those, the ones held back while Triton is replaced (a planned restart)",
+    "Requests held back, not yet in flight, while Triton is replaced (a planned restart)",
 )
 
 # ------------------------------------------------------------------ live planner (its /metrics)

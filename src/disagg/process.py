@@ -4,8 +4,8 @@ from /proc (no Triton, no psutil)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
-from collections.abc import Callable
 
 PF_EXITING = 0x4  # the kernel's per-task flag, set when do_exit() begins
 SIGKILL_BIT = 1 << (9 - 1)
@@ -44,16 +44,17 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """A preexec_fn for Popen: the kernel sends the child `sig` when the thread that started
+PARENT_ENV = "DISAGG_PARENT_PID"  # set by a parent whose children end with it (cluster.py)
+
+
+def exit_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> None:
+    """Called by a child at its start: the kernel sends it `sig` when the thread that started
     it ends, so a parent killed outright leaves no child running (Linux's PR_SET_PDEATHSIG;
-    elsewhere it does nothing). libc is looked up here, before the fork."""
+    elsewhere nothing). A parent that died before this call is caught by its pid."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return lambda: None
-
-    def preexec() -> None:
-        prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-
-    return preexec
+        return
+    prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)

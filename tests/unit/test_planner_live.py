@@ -152,6 +152,13 @@ def test_random_load_never_acts_on_a_pool_faster_than_the_cooldown():
     assert all(1 <= d.replicas <= 3 for _, d in got)
 
 
+def _text_str(queue: dict[float, int], busy_s: float) -> str:
+    lines = [
+        f'disagg_queue_seconds_bucket{{pool="prefill",le="{le}"}} {n}' for le, n in queue.items()
+    ]
+    return "\n".join([*lines, f'disagg_prefill_seconds_sum{{pool="prefill"}} {busy_s}'])
+
+
 def _text(queue: dict[float, int], ttft: dict[float, int], busy_s: float, outstanding: int):
     lines = []
     for le, n in queue.items():
@@ -208,20 +215,41 @@ def test_the_autoscaler_windows_scrapes_then_carries_out_records_and_counts(tmp_
     assert len(scaler.history) <= int(T.down_for_s) + 2  # old scrapes are let go
 
 
-def test_observed_replica_counts_follow_the_frontend():
+def _tagged(text: str, frontend: str) -> list[S.Sample]:
+    return [S.Sample(x.name, tuple(sorted((*x.labels, ("frontend", frontend)))), x.value)
+            for x in S.parse(text)]  # fmt: skip
+
+
+def test_observed_replica_counts_follow_the_frontends_each_replica_once():
+    """Kubernetes: two frontends see the same three decode replicas up (one ejected): 3, not
+    6; and nothing is published before the frontends were read (an HPA would act on it)."""
     scaler = Autoscaler(Planner(T, 1, 1), Recorder(), [], observe=True)
+    assert "disagg_planner_replicas{" not in generate_latest(scaler.metrics.registry).decode()
     up = "\n".join(f'disagg_replica_up{{pool="decode",replica="d{i}:1"}} {int(i < 3)}'
                    for i in range(4))  # fmt: skip
-    scaler.step(S.parse(up), t=0.0)
+    scaler.step(_tagged(up, "a") + _tagged(up, "b"), t=0.0)
     assert scaler.planner.replicas(DECODE) == 3 and scaler.planner.replicas(PREFILL) == 1
+    samples = S.parse(generate_latest(scaler.metrics.registry).decode())
+    assert S.total(samples, "disagg_planner_replicas", pool="decode") == 3
+
+
+def test_a_frontend_that_came_in_the_window_adds_no_history_of_its_own():
+    old = {1.0: 0, 4.0: 10, math.inf: 10}
+    before = _tagged(_text_str(old, 10.0), "a")
+    now = _tagged(_text_str({1.0: 0, 4.0: 12, math.inf: 12}, 12.0), "a") + _tagged(
+        _text_str({1.0: 0, 4.0: 900, math.inf: 900}, 900.0), "b"
+    )
+    w = Window.between([before, now], 2.0)
+    assert w.prefilled == 2 and w.prefill_busy_s == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--cooldown-s", "0"], "cooldown_s"),
-        (["--queue-ms", "nan"], "queue_s"),
-        (["--max-prefill", "-1"], "max_prefill"),
+        (["--cooldown-s", "0"], "--cooldown-s"),
+        (["--queue-ms", "nan"], "--queue-ms"),
+        (["--max-prefill", "-1"], "--max-prefill"),
+        (["--planner-interval-s", "0"], "--planner-interval-s"),
         (["--min-decode", "3", "--max-decode", "2"], "--min is above its --max"),
     ],
 )
@@ -248,3 +276,31 @@ def test_disagg_status_shows_what_the_planner_wants_decided_and_saw():
     assert re.search(r"prefill\s+up\s+queue\s+1\b", frame), frame
     assert re.search(r"prefill queue p90 \d+ ms", frame), frame
     assert "live planner: unreadable (refused)" in S.render([], [], 2.0, planner="refused")
+
+
+@pytest.mark.parametrize("source", ["127.0.0.1:8002/metrics", "dns:frontend", "dns::8002"])
+def test_a_metrics_source_that_is_neither_a_url_nor_a_dns_name_is_refused(source):
+    from disagg.planner.autoscale import check_sources
+
+    with pytest.raises(SystemExit, match="expected an http"):
+        check_sources([source])
+    check_sources(["http://127.0.0.1:8002/metrics", "dns:disagg-frontend-pods:8002"])
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--prefill", "11"], "--prefill 0..10"),
+        (["--decode", "0"], "--decode 1..10"),
+        (["--autoscale", "--prefill", "3", "--max-prefill", "2"], "within the planner's"),
+        (["--autoscale", "--max-decode", "12"], "at most 10 servers"),
+    ],
+)
+def test_disagg_cluster_refuses_pool_sizes_it_cannot_run_before_starting_anything(
+    argv, says, capsys
+):
+    from disagg.serve import cluster
+
+    with pytest.raises(SystemExit) as e:
+        cluster.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err

@@ -33,13 +33,17 @@ def test_a_running_or_stopped_process_is_alive_and_a_zombie_or_a_gone_one_is_not
     assert not process_alive(child.pid)
 
 
-def test_a_child_started_with_die_with_parent_ends_when_its_parent_is_killed():
-    """The parent (a real Python process) starts `sleep` with die_with_parent and is then
-    SIGKILLed: no chance to clean up, yet the kernel's SIGTERM ends the sleep."""
+def test_a_child_that_calls_exit_with_parent_ends_when_its_parent_is_killed():
+    """The parent (a real Python process) starts a Python child that calls exit_with_parent,
+    and is then SIGKILLed: no chance to clean up, yet the kernel's SIGTERM ends the child."""
+    child_code = (
+        "import os, time; from disagg.process import exit_with_parent; "
+        "exit_with_parent(os.getppid()); print('armed', flush=True); time.sleep(60)"
+    )
     code = (
         "import subprocess, sys, time\n"
-        "from disagg.process import die_with_parent\n"
-        "p = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent())\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {child_code!r}], stdout=subprocess.PIPE)\n"
+        "assert p.stdout.readline().strip() == b'armed'\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n"
     )

@@ -45,7 +45,7 @@ def test_the_footprint_counts_threads_rss_and_regions_mapped_after_their_file_we
 def test_a_restart_is_due_only_after_stubs_died():
     r = Recycler(after_faults=3, thread_growth=0.5)
     r.baseline = Footprint(100, 1000, 0)
-    assert r.due(Footprint(400, 3000, 0)) is None  # load alone never recycles
+    assert r.due(Footprint(100, 3000, 0)) is None  # without a dead stub, never
     assert r.due(Footprint(120, 1000, 2)) is None
     assert "3 stubs died" in r.due(Footprint(120, 1000, 3))
     assert "threads 100 -> 150" in r.due(Footprint(150, 1000, 1))
@@ -99,9 +99,10 @@ def gateway():
     server.shutdown()
 
 
-def test_the_drain_holds_new_requests_and_waits_for_the_sent_ones(tmp_path, gateway):
+def test_the_drain_holds_new_requests_and_waits_for_the_ones_being_served(tmp_path, gateway):
+    """Held requests wait before the gateway counts them in flight: only those count."""
     hold = Hold(tmp_path / "h")
-    _Gateway.busy = [(3, 1), (2, 1), (3, 3)]  # the last: all in flight are held ones
+    _Gateway.busy = [(3, 5), (1, 5), (0, 5)]
     t = time.monotonic()
     assert drain(hold, gateway, drain_s=10, hold_s=60) == 0
     assert hold.active() and time.monotonic() - t < 5
@@ -113,3 +114,30 @@ def test_the_drain_stops_waiting_at_its_limit_and_says_how_many_were_left(tmp_pa
     t = time.monotonic()
     assert drain(hold, gateway, drain_s=0.5, hold_s=60) == 2
     assert 0.5 <= time.monotonic() - t < 3
+
+
+def test_the_drain_ends_when_asked_to_stop(tmp_path, gateway):
+    _Gateway.busy = [(2, 0)]
+    t = time.monotonic()
+    drain(Hold(tmp_path / "h"), gateway, drain_s=30, hold_s=60, stopped=lambda: True)
+    assert time.monotonic() - t < 1
+
+
+def test_an_unreadable_gateway_is_waited_for_a_while_then_taken_for_gone(tmp_path, monkeypatch):
+    """A moment without an answer is not an empty gateway (its requests would be cut); one
+    that stays unreadable went, and what it served with it."""
+    import disagg.serve.recycle as R
+
+    monkeypatch.setattr(R, "UNREADABLE_S", 0.6)
+    t = time.monotonic()
+    assert drain(Hold(tmp_path / "h"), "http://127.0.0.1:1/metrics", drain_s=30, hold_s=60) == 0
+    assert 0.6 <= time.monotonic() - t < 5
+
+
+def test_the_baseline_follows_the_servers_warm_up_until_a_stub_dies():
+    r = Recycler(after_faults=3, thread_growth=0.5)
+    r.baseline = Footprint(100, 1000, 0)
+    assert r.due(Footprint(140, 1000, 0)) is None  # first requests start threads
+    assert r.baseline.threads == 140
+    assert r.due(Footprint(160, 1000, 1)) is None  # +14%, not +60% of the start
+    assert r.due(Footprint(210, 1000, 1)) is not None

@@ -370,6 +370,33 @@ def test_a_restarted_decode_does_not_report_the_dead_ones_sequences(t):
     assert t.u.MetricFamily.registry[series].value == 0
 
 
+def test_a_replica_that_left_the_list_reads_down_with_nothing_on_it(t, tmp_path):
+    """Scaled down (its address gone from the pool's file): its series must not keep the last
+    outstanding count and up=1, which the live planner would read as load on a replica."""
+    from disagg.remote.replicas import ReplicaSet
+
+    t.u.MetricFamily.registry.clear()
+    listed = tmp_path / "decode.txt"
+    listed.write_text("127.0.0.1:1\n127.0.0.1:2\n")
+    rs = ReplicaSet(f"file:{listed}", probe=lambda a: True, resolve_s=0.0)
+    rs.choose()  # reads the file
+    gone = next(r for r in rs.replicas if r.address == "127.0.0.1:2")
+    gone.outstanding = 3
+    metrics = t.pb_metrics.ReplicaMetrics({"decode": rs}, interval_s=3600)
+    metrics.refresh()  # exports 3 on it
+    listed.write_text("127.0.0.1:1\n")
+    rs.choose()
+    metrics.refresh()
+    t.pb_metrics.close_metrics()  # applies what is queued, in order
+    key = (("pool", "decode"), ("replica", "127.0.0.1:2"))
+    registry = t.u.MetricFamily.registry
+    assert registry[("disagg_replica_outstanding_requests", key)].value == 0
+    assert registry[("disagg_replica_up", key)].value == 0
+    up = (("pool", "decode"), ("replica", "127.0.0.1:1"))
+    assert registry[("disagg_replica_up", up)].value == 1
+    metrics.stop()
+
+
 def test_set_nice_lowers_every_thread_and_the_threads_made_after(tmp_path):
     """Niceness is per thread on Linux: a thread started before the call is set too, and
     one started after inherits it (torch's pool is made after). In a child process, so this

@@ -207,6 +207,17 @@ class TritonBackend:
             )
         return self._client
 
+    async def held_back(self) -> None:
+        """While a planned restart of Triton holds new requests (disagg/hold.py), wait; a
+        request calls this once, before it counts as in flight (the restart waits for those)."""
+        if self.hold is None or not self.hold.active():
+            return
+        self.on_hold(1)
+        try:
+            await self.hold.wait()
+        finally:
+            self.on_hold(-1)
+
     async def is_server_ready(self) -> bool:
         """Triton's own readiness: with --strict-readiness, every model is READY (a model
         reloading after its stub died is not)."""
@@ -229,14 +240,7 @@ class TritonBackend:
         be reached for (nothing came back yet) is tried again for up to RETRY_S: the server
         may be restarting, and the request never reached it, so nothing is duplicated. So is
         one whose router process died before any text came back (`_watched`): the orchestrator
-        drops a dead caller's requests, so nothing is duplicated either. While a planned
-        restart of Triton holds new requests (disagg/hold.py), this one waits for it first."""
-        if self.hold is not None and self.hold.active():
-            self.on_hold(1)
-            try:
-                await self.hold.wait()
-            finally:
-                self.on_hold(-1)
+        drops a dead caller's requests, so nothing is duplicated either."""
         deadline = asyncio.get_running_loop().time() + RETRY_S
         while True:
             pieces = self._generate_once(model, version, request_id, inputs)

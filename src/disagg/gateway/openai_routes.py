@@ -111,6 +111,7 @@ class OpenAIRoutes:
         """Serve one request and count it: here when answered whole, when its stream ends
         otherwise (a stream never started is counted by StreamCounted)."""
         m = self.metrics
+        await self.backend.held_back()  # a planned restart of Triton: before it, not in flight
         m.inflight.inc()
         try:
             response = await self._serve(call)

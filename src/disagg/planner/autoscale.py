@@ -1,6 +1,6 @@
 """`disagg planner`: the live planner's loop. Every interval it reads the frontends' Triton
 metrics, turns the change since the last read into a `live.Window`, and carries out what
-`live.Planner` decides through an actuator (actuate.py).
+`live.Planner` decides through an actuator (below).
 
     disagg cluster --prefill 1 --decode 1 --autoscale     # starts and drains local servers
     disagg planner --metrics http://frontend:8002/metrics --observe --port 9400  # Kubernetes
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import threading
 import time
@@ -37,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from disagg import metrics as M
 from disagg import status as S
-from disagg.planner.live import DECODE, PREFILL, Decision, Planner, Targets, Window
+from disagg.planner.live import DECODE, PREFILL, SOURCE, Decision, Planner, Targets, Window
 from disagg.remote.replicas import resolve
 
 
@@ -89,8 +88,12 @@ class Autoscaler:
         self.clock = clock
         self.metrics = PlannerMetrics()
         self.history: deque[tuple[float, list[S.Sample]]] = deque()
+        if not observe:  # observing: nothing until the frontends were read (an HPA would
+            self._publish()  # take a default count for the planner's wish)
+
+    def _publish(self) -> None:
         for pool in (PREFILL, DECODE):
-            self.metrics.replicas.labels(pool).set(planner.replicas(pool))
+            self.metrics.replicas.labels(pool).set(self.planner.replicas(pool))
 
     def scrape(self) -> list[S.Sample]:
         """Every frontend's metrics together (a source "dns:<name>:<port>" is every address
@@ -103,7 +106,12 @@ class Autoscaler:
                 urls = [f"http://{a}/metrics" for a in resolve(name, int(port))]
             for url in urls:
                 with urllib.request.urlopen(url, timeout=5) as r:
-                    out += S.parse(r.read().decode())
+                    tag = ((SOURCE, url),)
+                    out += [
+                        S.Sample(x.name, tuple(sorted(x.labels + tag)), x.value)
+                        for x in S.parse(r.read().decode())
+                        if x.label(SOURCE) == ""
+                    ]
         return out
 
     def step(self, now: list[S.Sample], t: float | None = None) -> list[Decision]:
@@ -114,11 +122,14 @@ class Autoscaler:
         span = max(self.planner.targets.up_for_s, self.planner.targets.down_for_s)
         while len(self.history) > 2 and self.history[1][0] <= t - span:
             self.history.popleft()  # the oldest that still covers the longest span stays
-        if self.observe:
+        if self.observe:  # the replicas any frontend has in rotation (each counted once)
             for pool in (PREFILL, DECODE):
-                up = [s for s in now if s.name == "disagg_replica_up" and s.label("pool") == pool]
+                up = {
+                    s.label("replica") for s in now
+                    if s.name == "disagg_replica_up" and s.label("pool") == pool and s.value >= 1
+                }  # fmt: skip
                 if up:
-                    self.planner.pools[pool].replicas = max(1, round(sum(s.value for s in up)))
+                    self.planner.pools[pool].replicas = len(up)
         targets = self.planner.targets
         w_up, w_down = self.window(targets.up_for_s, t), self.window(targets.down_for_s, t)
         shown = w_up or self.window(0.0, t)
@@ -127,6 +138,7 @@ class Autoscaler:
                 self.metrics.signal.labels(name).set(getattr(shown, name))
             self.metrics.signal.labels("prefill_busy").set(shown.prefill_busy_s / shown.seconds)
         decisions = self.planner.observe(t, w_up, w_down)
+        self._publish()
         for d in decisions:
             self.record(d)
             self.actuator.set_replicas(d.pool, d.replicas)
@@ -193,7 +205,11 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--planner-log", type=Path, default=None, help="decisions as JSON lines")
 
 
+FLAGS = {"ttft_s": "--slo-ttft-ms", "queue_s": "--queue-ms", "itl_s": "--slo-itl-ms"}
+
+
 def targets_from(a: argparse.Namespace) -> Targets:
+    """The targets the flags give, or SystemExit naming the flags that are wrong."""
     t = Targets(
         ttft_s=a.slo_ttft_ms / 1e3, queue_s=a.queue_ms / 1e3, itl_s=a.slo_itl_ms / 1e3,
         decode_seqs=a.decode_seqs, up_for_s=a.up_for_s, down_for_s=a.down_for_s,
@@ -201,11 +217,28 @@ def targets_from(a: argparse.Namespace) -> Targets:
         min_decode=a.min_decode, max_decode=a.max_decode,
     )  # fmt: skip
     bad = [k for k, v in asdict(t).items() if not (isinstance(v, int | float) and v > 0)]
-    if bad or math.isnan(t.ttft_s):
-        raise SystemExit(f"disagg planner: these must be positive: {', '.join(bad)}")
+    if not a.planner_interval_s > 0:
+        bad.append("planner_interval_s")
+    if bad:
+        flags = [FLAGS.get(k, "--" + k.replace("_", "-")) for k in bad]
+        raise SystemExit(f"disagg planner: these must be positive numbers: {', '.join(flags)}")
     if t.min_prefill > t.max_prefill or t.min_decode > t.max_decode:
         raise SystemExit("disagg planner: a pool's --min is above its --max")
     return t
+
+
+def check_sources(sources: list[str]) -> None:
+    """Each --metrics is an http(s) URL or dns:<name>:<port>, or SystemExit saying which."""
+    for source in sources:
+        if source.startswith("dns:"):
+            name, _, port = source[4:].rpartition(":")
+            if name and port.isdigit():
+                continue
+        elif source.startswith(("http://", "https://")):
+            continue
+        raise SystemExit(
+            f"disagg planner: --metrics {source!r}: expected an http(s) URL or dns:<name>:<port>"
+        )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -223,6 +256,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
+    check_sources(a.metrics)
     planner = Planner(targets_from(a), a.prefill, a.decode)
     scaler = Autoscaler(planner, DesiredReplicas(), a.metrics, a.planner_interval_s,
                         a.planner_log, observe=a.observe)  # fmt: skip

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from disagg import status as S
 
 PREFILL, DECODE = "prefill", "decode"
+SOURCE = "frontend"  # the label autoscale.py gives each frontend's samples
 UP, DOWN = "up", "down"
 
 
@@ -75,31 +76,46 @@ class Window:
 
     @classmethod
     def between(cls, scrapes: list[list[S.Sample]], seconds: float, end: float = 0.0) -> Window:
-        """From the scrapes of a span, oldest first (at least two)."""
-        before, now = scrapes[0], scrapes[-1]
+        """From the scrapes of a span, oldest first (at least two). Samples may carry a
+        `frontend` label (autoscale.py adds it); counts change per frontend, and only of the
+        frontends in both the first and the last scrape (one that came meanwhile would add
+        its whole history; one that restarted counts from zero: its change is clamped)."""
+        common = {s.label(SOURCE) for s in scrapes[0]} & {s.label(SOURCE) for s in scrapes[-1]}
+
+        def of(x: list[S.Sample], src: str, **labels: str) -> list[S.Sample]:
+            return [
+                s for s in x
+                if s.label(SOURCE) == src and all(s.label(k) == v for k, v in labels.items())
+            ]  # fmt: skip
 
         def mean(name: str, **labels: str) -> float:
             values = [S.total(x, name, **labels) for x in scrapes[1:]]
             return sum(values) / len(values)
 
         def hist(name: str, **labels: str) -> dict[float, float]:
-            pick = [s for s in now if all(s.label(k) == v for k, v in labels.items())]
-            old = [s for s in before if all(s.label(k) == v for k, v in labels.items())]
-            # clamped: a frontend that restarted (or left) counts from zero again
-            change = S.delta(S.buckets(pick, name), S.buckets(old, name))
-            return {le: max(0.0, n) for le, n in change.items()}
+            out: dict[float, float] = {}
+            for src in common:
+                now = S.buckets(of(scrapes[-1], src, **labels), name)
+                change = S.delta(now, S.buckets(of(scrapes[0], src, **labels), name))
+                for le, n in change.items():
+                    out[le] = out.get(le, 0.0) + max(0.0, n)
+            return out
+
+        def grew(name: str, **labels: str) -> float:
+            return sum(
+                max(0.0, S.total(of(scrapes[-1], src), name, **labels)
+                    - S.total(of(scrapes[0], src), name, **labels))
+                for src in common
+            )  # fmt: skip
 
         queue = hist("disagg_queue_seconds", pool=PREFILL)
-        busy = S.total(now, "disagg_prefill_seconds_sum", pool=PREFILL) - S.total(
-            before, "disagg_prefill_seconds_sum", pool=PREFILL
-        )
         return cls(
             seconds=seconds,
             end=end,
             prefilled=max(queue.values(), default=0.0),
             queue_p90_s=S.quantile(0.9, queue),
             ttft_p90_s=S.quantile(0.9, hist("disagg_ttft_seconds")),
-            prefill_busy_s=max(0.0, busy),
+            prefill_busy_s=grew("disagg_prefill_seconds_sum", pool=PREFILL),
             prefill_waiting=mean("disagg_prefill_queue_tokens"),
             itl_p90_s=S.quantile(0.9, hist("disagg_itl_seconds")),
             decode_in_flight=mean("disagg_replica_outstanding_requests", pool=DECODE),
@@ -171,7 +187,7 @@ class Planner:
             )
             quiet = not w.queue_p90_s > t.queue_s / 4  # NaN (no requests) is quiet
             fits = w.prefill_busy_s / w.seconds <= t.down_busy * (n - 1)
-            return breach, quiet and fits and w.prefill_waiting == 0, detail
+            return breach, quiet and fits, detail
         per = w.decode_in_flight / max(1, n)
         detail = (
             f"over {w.seconds:.0f} s: ITL p90 {_fmt(w.itl_p90_s)}, "

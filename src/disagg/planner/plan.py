@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         counts = range(1, a.nodes + 1) if a.max_nodes else (a.nodes,)
         engine = options.engine_options(a)
         candidates = [t for n in counts for t in topologies(n, modes, **engine)]
-    except ConfigError as e:
+        if a.write is not None:  # now, not after a search of minutes
+            a.write.mkdir(parents=True, exist_ok=True)
+    except (ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not candidates:
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for path in write_out.write(top.topology, a.write, why, a.overlay):
             print(f"wrote {path}")
+        if top.goodput == 0:
+            print("warning: the written topology met the SLO at no rate tried (goodput 0)")
     if any(c.goodput == 0 for c in best[: a.top]):
         print("goodput 0: fewer than 90% met the SLO even at the lowest rate tried, where "
               "requests barely overlap: the SLO is tighter than these nodes serve the "

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
@@ -21,6 +22,7 @@ from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
 from disagg.hold import FILE as HOLD_FILE
 from disagg.hold import Hold
+from disagg.process import PARENT_ENV, exit_with_parent
 from disagg.serve import recycle
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import Endpoints, TritonServer
@@ -74,17 +76,25 @@ def restart_triton(server: TritonServer, crashes_this_hour: int) -> bool:
 
 
 def recycle_triton(
-    settings: ServeSettings, server: TritonServer, gateway: GatewayProcess, why: str
+    settings: ServeSettings,
+    server: TritonServer,
+    gateway: GatewayProcess,
+    why: str,
+    stopped: Callable[[], bool] = lambda: False,
 ) -> bool:
     """Replace a running tritonserver losing no gateway request (serve/recycle.py): hold new
-    ones, drain the sent ones, restart, release."""
+    ones, drain the ones being served, restart, release. A stop asked for while draining
+    ends the hold and leaves the server as it is."""
     print(f"replacing tritonserver: {why}", file=sys.stderr, flush=True)
     started = time.monotonic()
     hold = Hold(settings.path("build_dir") / HOLD_FILE)
     hold_s = settings.recycle_drain_s + settings.drain_s + settings.startup_budget_s + 60
     url = f"{gateway.url}/metrics" if settings.gateway_enabled else None
-    left = recycle.drain(hold, url, settings.recycle_drain_s, hold_s)
+    left = recycle.drain(hold, url, settings.recycle_drain_s, hold_s, stopped)
     drained = time.monotonic() - started
+    if stopped():
+        hold.end()
+        return True
     try:
         server.stop()
         server.start()
@@ -114,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         "the pools not set as replicas; prefill / decode: that pool alone (docs/scale-out.md)",
     )
     a = p.parse_args(argv)
+    if parent := os.environ.pop(PARENT_ENV, ""):  # a node of `disagg cluster`: ends with it
+        exit_with_parent(int(parent))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         settings = ServeSettings.load(a.config)
@@ -247,6 +259,8 @@ def supervise(settings: ServeSettings, server: TritonServer, gateway: GatewayPro
     crashes: list[float] = []
     Hold(settings.path("build_dir") / HOLD_FILE).end()  # one a crash of ours left
     recycler = recycle.Recycler(settings.recycle_after_faults, settings.recycle_thread_growth)
+    if settings.role == "all" and not settings.gateway_enabled:  # nothing would hold requests
+        recycler = recycle.Recycler(0, 0.0)
     assert server.proc is not None, "started"
     recycler.settle(server.proc.pid)
     next_check = time.monotonic() + RECYCLE_CHECK_S
@@ -266,7 +280,7 @@ def supervise(settings: ServeSettings, server: TritonServer, gateway: GatewayPro
             next_check = time.monotonic() + RECYCLE_CHECK_S
             why = recycler.due(recycle.footprint(server.proc.pid))
             if why is not None:
-                if not recycle_triton(settings, server, gateway, why):
+                if not recycle_triton(settings, server, gateway, why, lambda: stopping):
                     gateway.stop()
                     return 1
                 assert server.proc is not None, "restarted"

@@ -26,11 +26,11 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from disagg import status as S
 from disagg.contracts import ADMIN_KEY_ENV, TOKEN_ENV, internal_token
-from disagg.process import die_with_parent
+from disagg.process import PARENT_ENV
 from disagg.remote.replicas import RESOLVE_S
 from disagg.settings import ServeSettings
 
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from disagg.planner.live import Targets
 
 BASE_PORT = 8100  # prefill servers from here, decode servers 100 higher, ten apart
+MAX_POOL = 10  # servers of one pool (the 11th prefill server's ports would be decode's)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class Cluster:
         self.nodes = nodes
         self.config = config
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, IO[bytes]] = {}  # each node's log, ours to close once it exits
         self.secrets = {
             TOKEN_ENV: internal_token() or secrets.token_hex(16),
             ADMIN_KEY_ENV: os.environ.get(ADMIN_KEY_ENV) or secrets.token_urlsafe(24),
@@ -130,14 +132,14 @@ class Cluster:
         cmd = [sys.executable, "-m", "disagg", "serve", "--role", node.role]
         if self.config:
             cmd += ["--config", self.config]
-        log = open(log_dir / "serve.log", "w")  # noqa: SIM115 (the child keeps it)
+        log = self.logs[node.name] = open(log_dir / "serve.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
             cmd,
-            env={**os.environ, **node.env, **self.secrets},
+            # PARENT_ENV: SIGTERM when this process dies, even by SIGKILL (serve's main)
+            env={**os.environ, **node.env, **self.secrets, PARENT_ENV: str(os.getpid())},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: stopped as one
-            preexec_fn=die_with_parent(),  # SIGTERM when this process dies, even by SIGKILL
         )
         self.procs[node.name] = proc
         return proc
@@ -188,6 +190,8 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+                if (log := self.logs.pop(node_name, None)) is not None:
+                    log.close()
 
 
 class ClusterActuator:
@@ -303,6 +307,14 @@ def main(argv: list[str] | None = None) -> int:
     autoscale.add_target_args(p)
     a = p.parse_args(argv)
     targets = autoscale.targets_from(a) if a.autoscale else None
+    if max(a.prefill, a.decode) > MAX_POOL or a.decode < 1 or a.prefill < 0:
+        p.error(f"--prefill 0..{MAX_POOL} and --decode 1..{MAX_POOL} (ports are 10 apart)")
+    if targets is not None:
+        if not (targets.min_prefill <= a.prefill <= targets.max_prefill
+                and targets.min_decode <= a.decode <= targets.max_decode):  # fmt: skip
+            p.error("--prefill and --decode must lie within the planner's --min/--max")
+        if max(targets.max_prefill, targets.max_decode) > MAX_POOL:
+            p.error(f"at most {MAX_POOL} servers a pool here (their ports are 10 apart)")
     settings = ServeSettings.load(a.config)
     build = settings.path("build_dir") / "cluster"
     lists = {pool: build / f"{pool}-replicas.txt" for pool in ("prefill", "decode")}

@@ -11,13 +11,16 @@ died since (`recycle_after_faults` of them, or any with the threads grown by
 no gateway request:
 
 1. hold: new gateway requests wait (disagg/hold.py) instead of reaching this server;
-2. drain: the requests the gateway already sent finish (up to `recycle_drain_s`);
+2. drain: the requests the gateway is serving finish (up to `recycle_drain_s`);
 3. restart: SIGINT (direct Triton clients get `drain_s`), a fresh tritonserver, READY;
 4. release: the held requests go to the new server.
 
 Held requests see the restart as a longer time to their first token. Clients of Triton's own
 ports are refused while it restarts, as in any single-server restart. A server without
-faults is never recycled.
+faults is never recycled. Without the gateway beside it there is nothing to hold: a server
+of role "all" with `gateway_enabled` off is not recycled (a gateway elsewhere cannot see the
+hold); a pool server (role prefill or decode) is, with Triton's own drain (`drain_s`), and
+its frontends send to its other replicas meanwhile, as when one restarts for any reason.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,8 +90,13 @@ class Recycler:
         return self.baseline
 
     def due(self, now: Footprint) -> str | None:
-        """Why the server should be replaced now, or None."""
-        if self.baseline is None or now.dead_regions == 0:
+        """Why the server should be replaced now, or None. Until a stub dies, the baseline
+        follows the server's highest thread count (its first requests start threads too)."""
+        if self.baseline is None:
+            return None
+        if now.dead_regions == 0:
+            if now.threads > self.baseline.threads:
+                self.baseline = now
             return None
         if self.after_faults and now.dead_regions >= self.after_faults:
             return f"{now.dead_regions} stubs died since it started ({now})"
@@ -98,28 +107,41 @@ class Recycler:
 
 
 def gateway_busy(metrics_url: str) -> float:
-    """Requests the gateway has sent to Triton and not finished (in flight, less held)."""
+    """Requests the gateway is serving (held ones are not counted in flight: they wait
+    before it)."""
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
         samples = S.parse(r.read().decode())
-    inflight = S.total(samples, "disagg_gateway_inflight_requests")
-    return inflight - S.total(samples, "disagg_gateway_held_requests")
+    return S.total(samples, "disagg_gateway_inflight_requests")
 
 
-def drain(hold: Hold, metrics_url: str | None, drain_s: float, hold_s: float) -> float:
-    """Hold new gateway requests and wait for the ones sent to finish (at most `drain_s`);
-    returns how many were still going when it stopped waiting."""
+UNREADABLE_S = 5.0  # a gateway unreadable this long is gone, and what it served with it
+
+
+def drain(
+    hold: Hold,
+    metrics_url: str | None,
+    drain_s: float,
+    hold_s: float,
+    stopped: Callable[[], bool] = lambda: False,
+) -> float:
+    """Hold new gateway requests and wait for the ones being served to finish (at most
+    `drain_s`, or until `stopped()`); returns how many were still going when it stopped
+    waiting."""
     hold.begin(hold_s)
     if metrics_url is None:
         return 0.0
     deadline = time.monotonic() + drain_s
-    busy = 0.0
-    while time.monotonic() < deadline:
+    busy, unreadable_since = 0.0, None
+    while time.monotonic() < deadline and not stopped():
         try:
-            busy = gateway_busy(metrics_url)
-        except OSError as e:  # the gateway restarting: what it had sent is gone with it
-            log.warning("cannot read the gateway's metrics (%s); draining by time", e)
-            busy = 0.0
-        if busy <= 0:
-            return 0.0
+            busy, unreadable_since = gateway_busy(metrics_url), None
+        except OSError as e:
+            unreadable_since = unreadable_since or time.monotonic()
+            if time.monotonic() - unreadable_since > UNREADABLE_S:
+                log.warning("the gateway's metrics unreadable for %.0f s (%s)", UNREADABLE_S, e)
+                return 0.0
+        else:
+            if busy <= 0:
+                return 0.0
         time.sleep(0.2)
     return busy

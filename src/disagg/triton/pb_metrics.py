@@ -270,6 +270,7 @@ class ReplicaMetrics:
         self.evicted = Family(M.REPLICA_EVICTED_BLOCKS)
         # (pool, address) -> the counts already exported
         self._seen: dict[tuple[str, str], tuple[int, ...]] = {}
+        self._exported: dict[str, set[str]] = {}  # pool -> the replicas it last showed
         self.interval_s = interval_s
         self._stop = threading.Event()
         if self.sets:
@@ -281,6 +282,12 @@ class ReplicaMetrics:
 
     def refresh(self) -> None:
         for pool, rs in self.sets.items():
+            listed = {r.address for r in rs.replicas}
+            for address in self._exported.get(pool, set()) - listed:  # left the list (scaled
+                labels = {"pool": pool, "replica": address}  # down): not up, nothing on it
+                for gauge in (self.outstanding, self.up, self.blocks, self.events):
+                    gauge.set(0.0, **labels)
+            self._exported[pool] = listed
             for r in rs.replicas:
                 labels = {"pool": pool, "replica": r.address}
                 counters = (self.requests, self.ejections, self.prompt, self.held, self.evicted)
