@@ -8,7 +8,10 @@ Every request is counted: completed with its greedy reply (the reply each prompt
 undisturbed server before the first kill), completed with another text (wrong), ended with a
 clear error (an HTTP status or a closed stream, with its kind), or hung (no end within
 `--hung-s`). When tritonserver itself dies (python_backend's lock_exception abort at a stub
-kill: docs/reliability.md), it is started again as `disagg serve` does, and counted.
+kill: docs/reliability.md), it is started again as `disagg serve` does, and counted. Once
+stubs have died, tritonserver is replaced the way `disagg serve` replaces it
+(serve/recycle.py: hold new gateway requests, drain, restart; `--recycle-after-faults`), and
+counted.
 Threads, RSS and mapped /dev/shm regions of tritonserver and its stubs are read at the start,
 after the first fault and at the end. Prints a progress line a minute and tables at the end;
 writes results/fault_soak.json.
@@ -32,6 +35,8 @@ from pathlib import Path
 
 import openai
 
+from disagg.serve import recycle
+from disagg.serve.__main__ import recycle_triton
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
 from disagg.serve.supervisor import stub_processes
@@ -77,6 +82,12 @@ class Run:
         self.error_samples: dict[str, str] = {}  # kind -> its first message
         self.kills: list[tuple[float, str]] = []
         self.restarts = 0
+        self.recycles: list[tuple[float, str]] = []  # when, why
+        self.recycler = recycle.Recycler(
+            settings.recycle_after_faults, settings.recycle_thread_growth
+        )
+        self.recycler.settle(self.server.proc.pid)
+        self.next_check = 0.0
 
     def tally(self, outcome: str, kind: str = "", message: str = "") -> None:
         with self.lock:
@@ -92,13 +103,24 @@ class Run:
             os.kill(rng.choice(stubs), signal.SIGKILL)
             self.kills.append((round(time.monotonic() - t0, 1), model))
 
-    def keep_alive(self) -> None:
-        """tritonserver gone (its own abort): start it again, as `disagg serve` does."""
+    def keep_alive(self, gateway: GatewayProcess, t0: float) -> None:
+        """tritonserver gone (its own abort): start it again; what dead stubs left over the
+        budget: replace it; both as `disagg serve` does."""
         if self.server.proc.poll() is not None:
             self.server.stop()
             self.server = TritonServer(self.settings).start()
             self.server.wait_ready(timeout_s=300)
             self.restarts += 1
+            self.recycler.settle(self.server.proc.pid)
+        elif time.monotonic() >= self.next_check:
+            self.next_check = time.monotonic() + 5
+            why = self.recycler.due(recycle.footprint(self.server.proc.pid))
+            if why is not None:
+                at = round(time.monotonic() - t0, 1)
+                if not recycle_triton(self.settings, self.server, gateway, why):
+                    raise RuntimeError("replacing tritonserver failed")
+                self.recycles.append((at, why))
+                self.recycler.settle(self.server.proc.pid)
 
 
 def stream_loop(url: str, run: Run, refs: dict[str, str], stop_at: float, a, i: int) -> None:
@@ -138,6 +160,9 @@ def main() -> int:
     p.add_argument("--hung-s", type=float, default=180.0, help="a request open this long hung")
     p.add_argument("--mode", default="auto", help="the serving mode (the default: auto)")
     p.add_argument("--seed", type=int, default=27)
+    p.add_argument("--recycle-after-faults", type=int,
+                   default=ServeSettings.recycle_after_faults,
+                   help="stubs dead before tritonserver is replaced (0: never)")  # fmt: skip
     p.add_argument("--engine-dir", default=str(ROOT / "engines" / "smollm2-135m-instruct"))
     p.add_argument("--out", default=str(ROOT / "results" / "fault_soak.json"))
     a = p.parse_args()
@@ -147,6 +172,7 @@ def main() -> int:
         engine_dir=a.engine_dir, build_dir=tempfile.mkdtemp(prefix="disagg-fault-soak-"),
         http_port=http, grpc_port=grpc, metrics_port=metrics, gateway_port=gw, mode=a.mode,
         decode_max_num_seqs=a.streams, gateway_rpm=0, gateway_tpm=0,
+        recycle_after_faults=a.recycle_after_faults,
     )  # fmt: skip
     run = Run(settings)
     gateway = GatewayProcess(replace(settings), env={"DISAGG_API_KEYS": KEY}).start()
@@ -173,7 +199,7 @@ def main() -> int:
         next_kill, next_line = t0 + a.kill_every, t0 + 60
         while any(t.is_alive() for t in threads):
             time.sleep(1)
-            run.keep_alive()
+            run.keep_alive(gateway, t0)
             now = time.monotonic()
             if now >= next_kill and now < stop_at - 30:  # (the last kill has time to recover)
                 run.kill_one(rng, t0)
@@ -184,9 +210,10 @@ def main() -> int:
             if now >= next_line:
                 next_line += 60
                 print(f"[{(now - t0) / 60:5.1f} min] {run.counts}  kills {len(run.kills)}  "
-                      f"server restarts {run.restarts}", flush=True)  # fmt: skip
+                      f"server restarts {run.restarts}  replaced {len(run.recycles)}",
+                      flush=True)  # fmt: skip
         time.sleep(15)  # the last reload
-        run.keep_alive()
+        run.keep_alive(gateway, t0)
         marks["end"] = resources(run.server.proc.pid)
     finally:
         gateway.stop()
@@ -195,12 +222,13 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]), "minutes": a.minutes,
         "streams": a.streams, "mode": a.mode, "kill_every_s": a.kill_every, **run.counts,
         "error_kinds": run.error_kinds, "error_samples": run.error_samples,
-        "kills": run.kills, "server_restarts": run.restarts,
+        "kills": run.kills, "server_restarts": run.restarts, "replaced": run.recycles,
+        "recycle_after_faults": a.recycle_after_faults,
         "resources": marks, "cpu": os.cpu_count(),
     }  # fmt: skip
     print(f"\n| fault soak ({a.streams} gateway streams, mode {a.mode}, a stub killed every "
           f"{a.kill_every:.0f} s, {a.minutes:.0f} min) | value |\n|---|---|")  # fmt: skip
-    for k in (*OUTCOMES, "error_kinds", "error_samples", "server_restarts"):
+    for k in (*OUTCOMES, "error_kinds", "error_samples", "server_restarts", "replaced"):
         print(f"| {k} | {result[k]} |")
     print(f"| kills | {len(run.kills)}: {', '.join(m for _, m in run.kills)} |")
     print("\n| resources (tritonserver + stubs) | threads | RSS (MB) | /dev/shm maps | stubs |")
