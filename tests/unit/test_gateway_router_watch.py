@@ -109,3 +109,19 @@ def test_only_a_stub_this_process_can_see_is_watched():
 def test_only_a_triton_on_this_host_is_watched():
     assert is_local("127.0.0.1:8001") and is_local("localhost:8001")
     assert not is_local("192.0.2.1:8001")  # TEST-NET-1: no host has it
+
+
+@pytest.mark.parametrize(
+    "message, status",
+    [
+        ("Stub process 'router_0_0' is not healthy.", 503),  # died a moment ago: refused
+        ("Request for unknown model: 'router' has no available versions", 503),
+        ("Request for unknown model: 'router' is not ready", 503),
+        ("something broke in a model", 500),
+    ],
+)
+def test_a_model_whose_process_died_or_reloads_is_a_503_not_a_500(message, status):
+    from disagg.gateway.backend import api_error
+
+    e = api_error(message)
+    assert e.status == status and message.rstrip(".") in str(e.message)

@@ -67,8 +67,10 @@ def _piece(result: grpcclient.InferResult) -> Piece:
 
 
 # Triton's own words for a model it holds no ready instance of: the registry resolved the
-# name, so the model is there but reloading (its stub died; the supervisor restarts it)
-_RELOADING = ("has no available versions", "is not ready")
+# name, so the model is there but reloading (its stub died; the supervisor restarts it), or
+# its stub died a moment ago and the reload has not begun ("Stub process 'router_0_0' is not
+# healthy": the request was refused, not run)
+_RELOADING = ("has no available versions", "is not ready", "is not healthy")
 
 
 def api_error(message: str) -> APIError:
