@@ -83,11 +83,8 @@ class Run:
         self.kills: list[tuple[float, str]] = []
         self.restarts = 0
         self.recycles: list[tuple[float, str]] = []  # when, why
-        self.recycler = recycle.Recycler(
-            settings.recycle_after_faults, settings.recycle_thread_growth
-        )
+        self.recycler = recycle.Recycler.for_settings(settings)
         self.recycler.settle(self.server.proc.pid)
-        self.next_check = 0.0
 
     def tally(self, outcome: str, kind: str = "", message: str = "") -> None:
         with self.lock:
@@ -112,15 +109,12 @@ class Run:
             self.server.wait_ready(timeout_s=300)
             self.restarts += 1
             self.recycler.settle(self.server.proc.pid)
-        elif time.monotonic() >= self.next_check:
-            self.next_check = time.monotonic() + 5
-            why = self.recycler.due(recycle.footprint(self.server.proc.pid))
-            if why is not None:
-                at = round(time.monotonic() - t0, 1)
-                if not recycle_triton(self.settings, self.server, gateway, why):
-                    raise RuntimeError("replacing tritonserver failed")
-                self.recycles.append((at, why))
-                self.recycler.settle(self.server.proc.pid)
+        elif why := self.recycler.check(self.server.proc.pid):
+            at = round(time.monotonic() - t0, 1)
+            if not recycle_triton(self.settings, self.server, gateway, why):
+                raise RuntimeError("replacing tritonserver failed")
+            self.recycles.append((at, why))
+            self.recycler.settle(self.server.proc.pid)
 
 
 def stream_loop(url: str, run: Run, refs: dict[str, str], stop_at: float, a, i: int) -> None:

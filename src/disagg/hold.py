@@ -21,6 +21,11 @@ class Hold:
     def __init__(self, path: Path) -> None:
         self.path = path
 
+    @classmethod
+    def in_dir(cls, build_dir: Path) -> Hold:
+        """The hold of the server whose build directory this is (serve and its gateway)."""
+        return cls(build_dir / FILE)
+
     def begin(self, seconds: float) -> None:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(f"{time.time() + seconds:.3f}\n")

@@ -141,3 +141,27 @@ def test_the_baseline_follows_the_servers_warm_up_until_a_stub_dies():
     assert r.baseline.threads == 140
     assert r.due(Footprint(160, 1000, 1)) is None  # +14%, not +60% of the start
     assert r.due(Footprint(210, 1000, 1)) is not None
+
+
+def test_the_settings_choose_the_triggers_and_a_server_without_its_gateway_has_none(tmp_path):
+    from disagg.settings import ServeSettings
+
+    s = ServeSettings(build_dir=str(tmp_path), recycle_after_faults=2)
+    assert Recycler.for_settings(s).after_faults == 2
+    off = Recycler.for_settings(ServeSettings(build_dir=str(tmp_path), gateway_enabled=False))
+    assert (off.after_faults, off.thread_growth) == (0, 0.0)
+    pool = ServeSettings(build_dir=str(tmp_path), gateway_enabled=False, role="decode")
+    assert Recycler.for_settings(pool).after_faults == ServeSettings.recycle_after_faults
+
+
+def test_check_measures_at_most_every_check_s(monkeypatch):
+    import disagg.serve.recycle as R
+
+    r = Recycler(after_faults=1, thread_growth=0)
+    r.settle(os.getpid())
+    seen = []
+    monkeypatch.setattr(R, "footprint", lambda pid: seen.append(pid) or Footprint(1, 1, 1))
+    assert r.check(os.getpid()) is None and seen == []  # not yet CHECK_S since it began
+    r.next_check = 0.0
+    assert "1 stubs died" in r.check(os.getpid()) and seen == [os.getpid()]
+    assert r.check(os.getpid()) is None and len(seen) == 1

@@ -24,7 +24,6 @@ from disagg.gateway.backend import TritonBackend
 from disagg.gateway.http import MAX_HEAD_BYTES, H11HeadLimit
 from disagg.gateway.openai_api import MAX_N
 from disagg.gateway.registry import Registry
-from disagg.hold import FILE as HOLD_FILE
 from disagg.hold import Hold
 from disagg.settings import ServeSettings
 
@@ -55,7 +54,7 @@ def build_config(settings: ServeSettings, env: Mapping[str, str] = os.environ) -
         settings.gateway_triton_url or f"{settings.host}:{settings.grpc_port}",
         settings.gateway_timeout_s,
     )
-    backend.hold = _hold(settings)  # serve's planned restarts (serve/recycle.py)
+    backend.hold = Hold.in_dir(settings.path("build_dir"))  # serve's planned restarts
     return GatewayConfig(
         keys=keys,
         limiter=RateLimiter(settings.gateway_rpm, settings.gateway_tpm),
@@ -65,10 +64,6 @@ def build_config(settings: ServeSettings, env: Mapping[str, str] = os.environ) -
         max_body_bytes=settings.gateway_max_body_bytes,
         max_n=min(MAX_N, settings.decode_max_num_seqs),
     )
-
-
-def _hold(settings: ServeSettings) -> Hold:
-    return Hold(settings.path("build_dir") / HOLD_FILE)
 
 
 def main(argv: list[str] | None = None) -> int:

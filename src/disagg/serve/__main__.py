@@ -20,7 +20,6 @@ from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV
 from disagg.engine.config import QUANT_WEIGHTS_FILE
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
-from disagg.hold import FILE as HOLD_FILE
 from disagg.hold import Hold
 from disagg.process import PARENT_ENV, exit_with_parent
 from disagg.serve import recycle
@@ -45,7 +44,6 @@ def first_api_key(settings: ServeSettings) -> str | None:
 
 
 MAX_CRASHES_PER_HOUR = 5
-RECYCLE_CHECK_S = 5.0  # how often the server's footprint is measured (serve/recycle.py)
 
 
 def restart_triton(server: TritonServer, crashes_this_hour: int) -> bool:
@@ -87,7 +85,7 @@ def recycle_triton(
     ends the hold and leaves the server as it is."""
     print(f"replacing tritonserver: {why}", file=sys.stderr, flush=True)
     started = time.monotonic()
-    hold = Hold(settings.path("build_dir") / HOLD_FILE)
+    hold = Hold.in_dir(settings.path("build_dir"))
     hold_s = settings.recycle_drain_s + settings.drain_s + settings.startup_budget_s + 60
     url = f"{gateway.url}/metrics" if settings.gateway_enabled else None
     left = recycle.drain(hold, url, settings.recycle_drain_s, hold_s, stopped)
@@ -257,13 +255,10 @@ def supervise(settings: ServeSettings, server: TritonServer, gateway: GatewayPro
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     crashes: list[float] = []
-    Hold(settings.path("build_dir") / HOLD_FILE).end()  # one a crash of ours left
-    recycler = recycle.Recycler(settings.recycle_after_faults, settings.recycle_thread_growth)
-    if settings.role == "all" and not settings.gateway_enabled:  # nothing would hold requests
-        recycler = recycle.Recycler(0, 0.0)
+    Hold.in_dir(settings.path("build_dir")).end()  # one a crash of ours left
+    recycler = recycle.Recycler.for_settings(settings)
     assert server.proc is not None, "started"
     recycler.settle(server.proc.pid)
-    next_check = time.monotonic() + RECYCLE_CHECK_S
     while not stopping:
         if settings.gateway_enabled and _exited(gateway.proc):  # stateless: restart
             print(f"gateway exited; restarting. Log:\n{gateway.log_tail()}", file=sys.stderr)
@@ -276,15 +271,12 @@ def supervise(settings: ServeSettings, server: TritonServer, gateway: GatewayPro
                 return 1
             assert server.proc is not None, "restarted"
             recycler.settle(server.proc.pid)
-        elif time.monotonic() >= next_check and server.proc is not None:
-            next_check = time.monotonic() + RECYCLE_CHECK_S
-            why = recycler.due(recycle.footprint(server.proc.pid))
-            if why is not None:
-                if not recycle_triton(settings, server, gateway, why, lambda: stopping):
-                    gateway.stop()
-                    return 1
-                assert server.proc is not None, "restarted"
-                recycler.settle(server.proc.pid)
+        elif server.proc is not None and (why := recycler.check(server.proc.pid)):
+            if not recycle_triton(settings, server, gateway, why, lambda: stopping):
+                gateway.stop()
+                return 1
+            assert server.proc is not None, "restarted"
+            recycler.settle(server.proc.pid)
         time.sleep(0.5)
     print("\nstopping ...", flush=True)
     if settings.gateway_enabled:

@@ -52,6 +52,11 @@ class Node:
         return f"http://{self.env.get('DISAGG_HOST', '127.0.0.1')}:{self.env['DISAGG_HTTP_PORT']}"
 
     @property
+    def metrics(self) -> str:
+        host = self.env.get("DISAGG_HOST", "127.0.0.1")
+        return f"http://{host}:{self.env['DISAGG_METRICS_PORT']}/metrics"
+
+    @property
     def grpc(self) -> str:
         return f"{self.env.get('DISAGG_HOST', '127.0.0.1')}:{self.env['DISAGG_GRPC_PORT']}"
 
@@ -190,6 +195,7 @@ class Cluster:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
+                del self.procs[node_name]  # stopped: forgotten, its log closed
                 if (log := self.logs.pop(node_name, None)) is not None:
                     log.close()
 
@@ -240,7 +246,6 @@ class ClusterActuator:
             self.cluster.wait_ready([node], self.ready_timeout_s)
         except (RuntimeError, TimeoutError):
             self.cluster.stop(node.name)
-            self.cluster.procs.pop(node.name, None)
             raise
         self.cluster.nodes.insert(self._pools_end(), node)
         self._write(pool)
@@ -259,7 +264,6 @@ class ClusterActuator:
             while _active(node) > 0 and time.monotonic() < deadline:
                 time.sleep(0.5)
         self.cluster.stop(node.name)
-        self.cluster.procs.pop(node.name, None)
         print(
             f"  {node.name} drained and stopped in {time.monotonic() - started:.1f} s", flush=True
         )
@@ -275,9 +279,8 @@ class ClusterActuator:
 
 def _active(node: Node) -> float:
     """The decode sequences a server still runs (0 once its metrics are unreadable)."""
-    url = node.http.rsplit(":", 1)[0] + f":{node.env['DISAGG_METRICS_PORT']}/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(node.metrics, timeout=2) as r:
             return S.total(S.parse(r.read().decode()), "disagg_decode_active_sequences")
     except OSError:
         return 0.0
@@ -362,8 +365,8 @@ def _autoscale(
     from disagg.planner.live import Planner
 
     actuator = ClusterActuator(cluster, build, lists, a.base_port)
-    metrics = f"http://{settings.host}:{settings.metrics_port}/metrics"
-    scaler = Autoscaler(Planner(targets, a.prefill, a.decode), actuator, [metrics],
+    (front,) = [n for n in cluster.nodes if n.role == "frontend"]
+    scaler = Autoscaler(Planner(targets, a.prefill, a.decode), actuator, [front.metrics],
                         a.planner_interval_s, a.planner_log)  # fmt: skip
     if a.planner_port:
         scaler.metrics.serve(a.planner_port, settings.host)

@@ -35,6 +35,7 @@ from pathlib import Path
 from disagg import status as S
 from disagg.hold import Hold
 from disagg.serve.supervisor import SHM_PREFIX, stub_processes
+from disagg.settings import ServeSettings
 
 log = logging.getLogger("disagg.recycle")
 
@@ -76,6 +77,9 @@ def footprint(server_pid: int) -> Footprint:
     return Footprint(threads, rss_kb / 1024, len(dead))
 
 
+CHECK_S = 5.0  # how often `check` measures the server
+
+
 class Recycler:
     def __init__(self, after_faults: int, thread_growth: float) -> None:
         """`after_faults` (0: never by count): dead stubs' regions that call for a restart;
@@ -84,6 +88,22 @@ class Recycler:
         self.after_faults = after_faults
         self.thread_growth = thread_growth
         self.baseline: Footprint | None = None
+        self.next_check = time.monotonic() + CHECK_S
+
+    @classmethod
+    def for_settings(cls, s: ServeSettings) -> Recycler:
+        """The settings' triggers; none for a server of role all without its gateway, where
+        nothing would hold the requests a restart would cut."""
+        if s.role == "all" and not s.gateway_enabled:
+            return cls(0, 0.0)
+        return cls(s.recycle_after_faults, s.recycle_thread_growth)
+
+    def check(self, server_pid: int) -> str | None:
+        """Every CHECK_S (else None at once): why the server should be replaced, or None."""
+        if time.monotonic() < self.next_check:
+            return None
+        self.next_check = time.monotonic() + CHECK_S
+        return self.due(footprint(server_pid))
 
     def settle(self, server_pid: int) -> Footprint:
         self.baseline = footprint(server_pid)
