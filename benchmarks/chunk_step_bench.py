@@ -55,6 +55,7 @@ def engine_with(model: Llama, batch: int, chunk: int) -> DecodeEngine:
         prefix_cache_tokens=0, prefault_kv=True,
     )  # fmt: skip
     engine = DecodeEngine(model, cfg, eos_token_ids=set())
+    engine.cache.prefaulted.wait()
     for i in range(batch):
         params = SamplingParams(max_tokens=1000, ignore_eos=True)
         engine.add_request(f"d{i}", params, prompt_ids=tokens(200, i))
@@ -82,6 +83,7 @@ def measure(model: Llama, batch: int, chunk: int, prompt_len: int, steps: int) -
         n += 1
     # the same chunks alone, at the same positions, in a cache of their own
     cache = KVCacheSlots(model.args, 1, 2048, prefault=True)
+    cache.prefaulted.wait()
     alone = 0.0
     for start in range(0, prompt_len, chunk):
         c = Chunk(prompt[start : start + chunk], start, 0)

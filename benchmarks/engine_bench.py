@@ -81,6 +81,7 @@ def ours_decode(model: Llama, batch: int, steps: int, prompt_len: int) -> float:
         max_num_seqs=max(batch, 1), max_model_len=model.args.max_context, prefault_kv=True
     )  # as the served decode model does
     engine = DecodeEngine(model, cfg, eos_token_ids=set())
+    engine.cache.prefaulted.wait()
     params = SamplingParams(max_tokens=steps + 3, ignore_eos=True)
     for i in range(batch):
         engine.add_request(str(i), params, prompt_ids=prompt(prompt_len, 1000 + i))

@@ -70,6 +70,7 @@ def main() -> int:
     model = Llama.load(a.engine_dir, "auto")
     config = EngineConfig(max_num_seqs=2, max_model_len=2048, prefix_cache_tokens=4096)
     cache = KVCacheSlots(model.args, 2, 2048, prefault=True)
+    cache.prefaulted.wait()
     rows = [measure(model, config, cache, n, a.repeat) for n in a.lengths]
     print(f"compute dtype {model.compute_dtype}, {torch.get_num_threads()} threads\n")
     print("| prompt tokens | K/V (MB) | prefill (ms) | keep blocks (ms) | copy in (ms) | ratio |")

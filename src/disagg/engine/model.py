@@ -21,6 +21,7 @@ from logits copied back, so a seed draws the same tokens on every device.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from disagg.engine.kernels import (
 )
 from disagg.engine.layers import rms_norm, rope_tables, split_qkv
 from disagg.engine.packed_prefill import Chunk
+from disagg.engine.prefault import prefault as prefault_pages
 from disagg.engine.quant import QuantLinear
 from disagg.errors import ConfigError
 
@@ -94,9 +96,13 @@ class KVCacheSlots:
     ) -> None:
         shape = (args.n_layers, max_slots, args.n_kv_heads, max_len, args.head_dim)
         self.k, self.v = zeros_kv(shape, device)
-        if prefault and device.type == "cpu":  # every page now, not on the first step using it
-            self.k.numpy().fill(0.0)
-            self.v.numpy().fill(0.0)
+        # every page before the first step using it: on a thread of its own where the kernel
+        # can (engine/prefault.py), so a restarted decode is READY a second sooner
+        self.prefaulted = threading.Event()
+        if prefault and device.type == "cpu":
+            self.prefaulted = prefault_pages([self.k.numpy(), self.v.numpy()])
+        else:
+            self.prefaulted.set()
         self.device = device
         self.max_slots = max_slots
         self.max_len = max_len

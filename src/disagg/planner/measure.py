@@ -128,6 +128,7 @@ def _decode_engine(
         prefault_kv=True, prefix_cache_tokens=0,
     )  # fmt: skip
     engine = DecodeEngine(model, config, eos_token_ids=set())
+    engine.cache.prefaulted.wait()  # (not beside the timings)
     a = model.args
     zeros = np.zeros((a.n_layers, a.n_kv_heads, context, a.head_dim), np.float32)
     kv = KVPayload.from_arrays(a, zeros, zeros)
@@ -175,6 +176,7 @@ def measure_mixed(model: Llama, plan: Plan) -> list[tuple[StepWork, float]]:
 def measure_kv_write(model: Llama, plan: Plan) -> Samples:
     a = model.args
     cache = KVCacheSlots(a, 1, a.max_context, prefault=True, device=model.device)
+    cache.prefaulted.wait()  # (not beside the timings)
     out = []
     for n in plan.kv_tokens:
         n = min(n, a.max_context)

@@ -1,0 +1,45 @@
+"""KV pages given before first use: on a thread of their own, without changing a byte that
+the engine writes meanwhile (engine/prefault.py)."""
+
+import numpy as np
+import pytest
+
+from disagg.engine import prefault as pf
+
+pytestmark = pytest.mark.unit
+
+
+def resident_pages(a: np.ndarray) -> int:
+    """Pages of `a` backed by memory now, from /proc/self/smaps' Rss of its mapping."""
+    start = a.ctypes.data
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if head.endswith(":"):  # (a field of the mapping above, not a mapping)
+            continue
+        lo, hi = (int(x, 16) for x in head.split("-"))
+        if lo <= start < hi:
+            rss = next(x for x in lines[i + 1 :] if x.startswith("Rss:"))
+            return int(rss.split()[1]) * 1024 // pf.PAGE
+    raise AssertionError("mapping not found")
+
+
+def test_populate_gives_every_page_and_leaves_the_contents(monkeypatch):
+    if not pf.populate_supported():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (older than 5.14): fill() is used")
+    a = np.zeros(64 << 20 >> 2, dtype=np.float32)  # 64 MiB: its own mapping, untouched
+    assert resident_pages(a) < 16
+    a[5] = 7.0  # written by the "engine" before the prefault: kept
+    pf.prefault([a]).wait(timeout=30)
+    assert resident_pages(a) >= a.nbytes // pf.PAGE - 2
+    assert a[5] == 7.0 and not a[:5].any() and not a[6:].any()
+
+
+def test_without_the_kernel_call_the_pages_are_filled_at_once(monkeypatch):
+    monkeypatch.setattr(pf, "_madvise", lambda: None)
+    monkeypatch.setattr(pf, "populate_supported", lambda: False)
+    a = np.zeros(16 << 20 >> 2, dtype=np.float32)
+    done = pf.prefault([a])
+    assert done.is_set()  # synchronously: a fill on another thread could race real writes
+    assert resident_pages(a) >= a.nbytes // pf.PAGE - 2 and not a.any()
