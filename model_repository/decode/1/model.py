@@ -10,7 +10,7 @@ from disagg.cancel import CancelRegistry
 from disagg.engine.config import load_model_args
 from disagg.engine.llm_engine import DecodeEngine
 from disagg.engine.model import Llama
-from disagg.engine.tokenizer import Tokenizer
+from disagg.engine.tokenizer import eos_token_ids
 from disagg.model_params import DecodeParams
 from disagg.pipeline.decode_service import DecodeService
 from disagg.triton import bls, decode_side, pb, pb_metrics
@@ -27,7 +27,7 @@ class TritonPythonModel:
             engine = decode_engine(p)  # same DecodeEngine interface, TensorRT-LLM underneath
         else:
             pb.set_torch_threads(p.decode_torch_threads)
-            eos = {Tokenizer(p.engine_dir).eos_token_id} - {None}
+            eos = eos_token_ids(p.engine_dir)
             engine = DecodeEngine(
                 Llama.load(
                     p.engine_dir, p.compute_dtype, p.device, p.weights, p.decode_activations

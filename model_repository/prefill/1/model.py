@@ -14,7 +14,7 @@ from disagg.cancel import CancelRegistry
 from disagg.engine.llm_engine import PrefillEngine
 from disagg.engine.model import Llama
 from disagg.engine.sequence import SamplingParams
-from disagg.engine.tokenizer import Tokenizer
+from disagg.engine.tokenizer import eos_token_ids
 from disagg.errors import RequestCancelledError
 from disagg.model_params import PrefillParams
 from disagg.triton import bls, pb, pb_metrics, prefill_side
@@ -39,7 +39,7 @@ class TritonPythonModel:
             Llama.load(p.engine_dir, p.compute_dtype, p.device, p.weights),
             p.engine_config(),
             reuse_kv_buffers=True,
-            eos_token_ids={Tokenizer(p.engine_dir).eos_token_id} - {None},  # for min_tokens
+            eos_token_ids=eos_token_ids(p.engine_dir),  # for min_tokens
         )
         # Payload buffers, one per request of an execute() call, reused across calls: their
         # pages are faulted in once instead of once per long prompt.

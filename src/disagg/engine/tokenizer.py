@@ -92,6 +92,22 @@ class Tokenizer:
         return self._tok.encode(self.apply_chat_template(messages), add_special_tokens=False).ids
 
 
+def eos_token_ids(engine_dir: str | Path) -> set[int]:
+    """The engine's end-of-sequence token ids, without building the tokenizer (a third of a
+    second a decode restart need not spend): its special tokens are listed in
+    tokenizer.json's added_tokens. Falls back to the whole tokenizer for one that is not."""
+    d = Path(engine_dir)
+    try:
+        eos = json.loads((d / TOKENIZER_CONFIG_FILE).read_text()).get("eos_token")
+        added = json.loads((d / TOKENIZER_FILE).read_text()).get("added_tokens") or []
+    except (OSError, ValueError):
+        added, eos = [], None  # (Tokenizer says what is wrong with the files)
+    ids = {t["id"] for t in added if isinstance(t, dict) and t.get("content") == eos}
+    if eos is not None and len(ids) == 1:
+        return ids
+    return {t for t in (Tokenizer(d).eos_token_id,) if t is not None}
+
+
 def check_messages(messages: object) -> None:
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
