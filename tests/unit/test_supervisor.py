@@ -1,5 +1,7 @@
 """The stub supervisor's decisions, from scripted process counts and model states."""
 
+import subprocess
+import time
 from collections import Counter
 
 import pytest
@@ -13,13 +15,14 @@ class Scripted(sup.StubSupervisor):
     """Process counts, model states and instance counts as the test sets them; reloads and
     server restarts are recorded, not done."""
 
-    def __init__(self, monkeypatch, instances=None):
+    def __init__(self, monkeypatch, instances=None, interval_s=1.0, stubs=None):
         self.wedged_calls: list[str] = []
         super().__init__(
             server_pid=1,
             http_url="http://127.0.0.1:1",
             admin_header="k",
             admin_key="v",
+            interval_s=interval_s,
             recover_timeout_s=60.0,
             on_wedged=self.wedged_calls.append,
         )
@@ -27,7 +30,8 @@ class Scripted(sup.StubSupervisor):
         self.ready: set[str] = set()
         self.instances = instances or {}
         self.reloaded: list[str] = []
-        monkeypatch.setattr(sup, "stub_models", lambda pid: self.live)
+        stubs = stubs or (lambda: {-i: (m, "") for i, m in enumerate(self.live.elements())})
+        monkeypatch.setattr(sup, "stub_processes", lambda pid: stubs())
 
     def _ready_models(self):
         return self.ready
@@ -124,3 +128,35 @@ def test_the_shared_memory_of_a_dead_stub_is_removed(tmp_path):
     live = sup.remove_stale_regions(os.getpid(), {"region-a"}, shm_dir=str(tmp_path))
     assert live == set()
     assert not (tmp_path / "region-a").exists() and (tmp_path / "region-b").exists()
+
+
+def test_a_stub_that_exits_wakes_the_supervisor_before_its_next_check(monkeypatch):
+    """A real process stands for the stub: its pidfd ends the supervisor's wait at once,
+    where the next check would have come 30 s later."""
+    stub = subprocess.Popen(["sleep", "60"])
+    s = Scripted(
+        monkeypatch,
+        instances={"decode": 1},
+        interval_s=30.0,
+        stubs=lambda: {stub.pid: ("decode", "")} if stub.poll() is None else {},
+    )
+    s.ready = {"decode"}
+    s.start()
+    try:
+        deadline = time.monotonic() + 10
+        while s.expected != Counter(decode=1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.expected == Counter(decode=1)  # the first check runs at start
+        time.sleep(0.2)  # (the loop is in its 30 s wait, following the stub's pidfd)
+        killed = time.monotonic()
+        stub.kill()
+        while not s.reloaded and time.monotonic() - killed < 10:
+            time.sleep(0.01)
+        assert s.reloaded == ["decode"]
+        assert time.monotonic() - killed < 2.0
+    finally:
+        stopped = time.monotonic()
+        s.stop()
+        stub.kill()
+        stub.wait()
+    assert not s._thread.is_alive() and time.monotonic() - stopped < 2.0  # stop() wakes it too

@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import select
 import threading
 import time
 import urllib.request
@@ -64,6 +65,46 @@ def stub_models(server_pid: int) -> Counter[str]:
     return Counter(model for model, _ in stub_processes(server_pid).values())
 
 
+class ExitWatch:
+    """Wakes the supervisor the moment a stub it has seen exits, rather than at its next
+    check: a pidfd (Linux 5.3+) of each stub, readable once that process has ended. Where
+    pidfds are missing, `wait` just sleeps out its timeout, as the checks did before."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+        self.usable = hasattr(os, "pidfd_open")
+        self._wake_r, self._wake_w = os.pipe()  # stop() ends a wait at once too
+        self._lock = threading.Lock()
+
+    def follow(self, pids: set[int]) -> None:
+        for pid in set(self._fds) - pids:
+            os.close(self._fds.pop(pid))
+        for pid in pids - set(self._fds):
+            if not self.usable:
+                return
+            try:
+                self._fds[pid] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue  # gone already: the next check sees it
+            except OSError:  # (ENOSYS: a kernel without pidfds)
+                self.usable = False
+
+    def wait(self, timeout_s: float) -> None:
+        select.select([self._wake_r, *self._fds.values()], [], [], timeout_s)
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._wake_w >= 0:
+                os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        self.follow(set())
+        with self._lock:  # (never a write to a descriptor number reused meanwhile)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
+
+
 def remove_stale_regions(server_pid: int, known: set[str], shm_dir: str = "/dev/shm") -> set[str]:
     """Remove the shared memory regions in `known` whose stub is gone; returns the regions
     of the live stubs (the next call's `known`). A killed stub's 64 MiB region otherwise
@@ -100,16 +141,20 @@ class StubSupervisor:
         self.wedged: str | None = None  # the model whose reload did not finish in time
         self._short: Counter[str] = Counter()  # checks in a row a model has been short of stubs
         self._last_live: Counter[str] = Counter()  # each model's stubs at the last check
+        self._last_pids: set[int] = set()
         self._regions: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="stub-supervisor", daemon=True)
 
     def start(self) -> StubSupervisor:
+        self._exits = ExitWatch()
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread.is_alive():
+            self._exits.wake()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
@@ -124,17 +169,25 @@ class StubSupervisor:
 
     def _loop(self) -> None:
         threading.Thread(target=self._shm_loop, name="stub-shm", daemon=True).start()
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check()
-            except (OSError, ValueError) as e:  # the server is going away, or busy
-                log.debug("supervisor check failed: %s", e)
-            except Exception:  # never let the supervisor thread die
-                log.exception("supervisor check failed")
+        exits = self._exits
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.check()
+                except (OSError, ValueError) as e:  # the server is going away, or busy
+                    log.debug("supervisor check failed: %s", e)
+                except Exception:  # never let the supervisor thread die
+                    log.exception("supervisor check failed")
+                exits.follow(self._last_pids)
+                exits.wait(self.interval_s)  # a stub's exit ends it at once
+        finally:
+            exits.close()
 
     def check(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        live = stub_models(self.server_pid)
+        stubs = stub_processes(self.server_pid)
+        self._last_pids = set(stubs)
+        live = Counter(model for model, _ in stubs.values())
         dropped = {m for m in live | self._last_live if live[m] < self._last_live[m]}
         self._last_live = live
         self._check_recovering(live, now)
