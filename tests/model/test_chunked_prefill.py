@@ -35,7 +35,7 @@ def test_chunk_by_chunk_is_the_whole_prefill_within_float_error(llm):
     model, prompt = llm.model, long_prompt(llm, 300)
     kv_tol, logit_tol = TOLERANCE[model.compute_dtype]
     logits, k, v = model.prefill(prompt)
-    cache = KVCacheSlots(model.args, 2, 512)
+    cache = KVCacheSlots(model.args, 2, 512, device=model.device)
     for start in range(0, len(prompt), 64):
         chunk_logits = model.prefill_chunk(prompt[start : start + 64], start, cache, slot=1)
     assert torch.allclose(cache.k[:, 1, :, :300], k, atol=kv_tol)

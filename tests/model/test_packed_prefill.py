@@ -46,8 +46,8 @@ def threads(request):
 def test_a_pack_of_chunks_equals_each_chunk_alone(engine_dir, llm, weights, threads):
     model = llm.model if weights == "auto" else Llama.load(engine_dir, weights="float32")
     chunks = [Chunk(_ids(n, i), start, slot=i) for i, (n, start) in enumerate(SHAPES)]
-    alone = KVCacheSlots(model.args, len(SHAPES), 512)
-    packed = KVCacheSlots(model.args, len(SHAPES), 512)
+    alone = KVCacheSlots(model.args, len(SHAPES), 512, device=model.device)
+    packed = KVCacheSlots(model.args, len(SHAPES), 512, device=model.device)
     want = []
     for i, c in enumerate(chunks):
         _prefix(model, alone, c.slot, c.start, i)
