@@ -59,3 +59,37 @@ def test_a_device_that_is_not_there_is_refused_before_loading(engine_dir):
         resolve_device("mps")
     with pytest.raises(ConfigError):
         resolve_device("cuda:x")
+
+
+def test_fixed_shape_decode_answers_as_the_default_and_is_batch_invariant(engine_dir, llm):
+    """The decode a GPU runs (every step padded to all slots and the whole cache length, so
+    cuBLAS takes one kernel: engine/model.py `fixed_shapes`), here on the CPU against the
+    default decode: the same logits within float error, and a row's bits its own."""
+    from safetensors.torch import load_file
+
+    from disagg.engine.config import WEIGHTS_FILE
+    from disagg.engine.model import KVCacheSlots
+
+    weights = {k: v.float() for k, v in load_file(str(engine_dir / WEIGHTS_FILE)).items()}
+    model = Llama(llm.model.args, weights, onednn=False)  # the plain path a GPU takes
+    prompts = [llm.tokenizer.encode(p) for p in ("The capital of France is", "def f(x):", "Hi")]
+    cache = KVCacheSlots(model.args, max_slots=4, max_len=64)
+
+    def step(order, fixed):
+        model.fixed_shapes = fixed
+        for slot, i in enumerate(order):
+            cache.write(slot, *model.prefill(prompts[i])[1:])
+        pos = torch.tensor([len(prompts[i]) for i in order])
+        return model.decode(torch.full((len(order),), 42), pos, cache)
+
+    default = step([0, 1, 2], fixed=False)
+    fixed = step([0, 1, 2], fixed=True)
+    assert fixed.shape == default.shape
+    assert torch.allclose(fixed, default, atol=1e-3, rtol=1e-3)
+    for i in range(3):
+        assert torch.equal(step([i], fixed=True)[0], fixed[i])
+    assert torch.equal(step([2, 0], fixed=True)[1], fixed[0])
+    # padding rows wrote nothing: slots past the batch are as the last prefills left them
+    before = cache.k[:, 3].clone()
+    step([1], fixed=True)
+    assert torch.equal(cache.k[:, 3], before)

@@ -163,6 +163,10 @@ class Llama:
         dtype = matmul_dtype(compute_dtype, self.device)
         self.compute_dtype = resolve_compute_dtype(compute_dtype, self.device)
         self.onednn = HAS_ONEDNN and self.device.type == "cpu" if onednn is None else onednn
+        # cuBLAS picks GEMM and batched-GEMM kernels by shape, and they round differently
+        # (an H200: a row's logits alone and in a batch of 2-64 differed in every case):
+        # decode on a GPU runs one shape every step, so a row's bits are its own
+        self.fixed_shapes = self.device.type == "cuda"
         self.blocks = blocks or {}
         if self.blocks and self.device.type != "cpu":
             raise ConfigError("quantized blocks run on the CPU only: load them with device cpu")
@@ -357,14 +361,18 @@ class Llama:
         # over t then see whole blocks of exact zeros past each sequence's end, so a
         # sequence's result is the same alone or beside longer ones (batch invariance).
         t = min(-(-(last + 1) // ATTN_BLOCK) * ATTN_BLOCK, cache.max_len)
+        real = b
+        if self.fixed_shapes:  # every step one shape: all slots, the whole cache length
+            b, t = cache.max_slots, cache.max_len
+            tokens, positions = F.pad(tokens, (0, b - real)), F.pad(positions, (0, b - real))
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]  # [B, 1, D]
         # Row of (slot b, head h, position p) in a layer's cache viewed as [slots*H_kv*len, D]:
         # new K/V go in with one index_copy_ (advanced indexing was 10% of a step).
         heads = torch.arange(a.n_kv_heads, device=dev)
         rows = (
-            (torch.arange(b, device=dev)[:, None] * a.n_kv_heads + heads) * cache.max_len
-            + positions[:, None]
-        ).reshape(-1)  # [B * H_kv]
+            (torch.arange(real, device=dev)[:, None] * a.n_kv_heads + heads) * cache.max_len
+            + positions[:real, None]
+        ).reshape(-1)  # [B * H_kv]: padding rows write nothing
         # mask: [B, 1, 1, T], -inf past each sequence's own length
         mask = torch.zeros(b, 1, 1, t, device=dev)
         past_end = torch.arange(t, device=dev) > positions[:, None]
@@ -373,8 +381,8 @@ class Llama:
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             kc, vc = cache.k[i], cache.v[i]  # [slots, H_kv, max_len, D]
-            kc.view(-1, a.head_dim).index_copy_(0, rows, k.reshape(-1, a.head_dim))
-            vc.view(-1, a.head_dim).index_copy_(0, rows, v.reshape(-1, a.head_dim))
+            kc.view(-1, a.head_dim).index_copy_(0, rows, k[:real].reshape(-1, a.head_dim))
+            vc.view(-1, a.head_dim).index_copy_(0, rows, v[:real].reshape(-1, a.head_dim))
             # query heads grouped by KV head; (B, H_kv) merged into one batch dimension: a
             # view of the cache, and 3x faster in bmm than the 4-D strided matmul
             qg = q.reshape(b * a.n_kv_heads, a.n_groups, a.head_dim)  # [B*H_kv, G, D]
@@ -385,4 +393,4 @@ class Llama:
             o = torch.bmm(probs.view(-1, a.n_groups, t), values).reshape(b, -1)  # [B, H * D]
             x = x + linear(o, layer.wo)
             x = x + self._mlp(layer, x)
-        return linear(rms_norm(x, self.norm, a.norm_eps), self.lm_head)
+        return linear(rms_norm(x, self.norm, a.norm_eps), self.lm_head)[:real]
