@@ -5,13 +5,41 @@ CPU that has it (plain `F.linear` elsewhere), batch invariant; fp32 or bf16 matm
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from disagg.engine.quant import DIRECT_ROWS, QuantLinear, qlinear
+from disagg.engine.quant import DIRECT_ROWS, QuantLinear, cpu_flags, qlinear
 from disagg.errors import ConfigError
+
+AMX_CAP = "AVX512_CORE_BF16"
+
+
+def onednn_isa_cap(flags: str, environ: Mapping[str, str]) -> str | None:
+    """The instruction set to cap oneDNN at, or None. On a CPU with AMX, oneDNN's bf16 GEMM
+    takes AMX kernels for some row counts (seen on an H200 host's Xeon: 18 and more, even
+    counts) and AVX512-BF16 ones for others, which round differently: a sequence's logits
+    then depend on its batch. Capped at AVX512-BF16, every row count gives the same bits.
+    DISAGG_ONEDNN_AMX=1 keeps AMX (faster bf16 prefill, no batch invariance); a cap the
+    user set stays."""
+    if "amx_bf16" not in flags.split() or "ONEDNN_MAX_CPU_ISA" in environ:
+        return None
+    return None if environ.get("DISAGG_ONEDNN_AMX") == "1" else AMX_CAP
+
+
+def cap_onednn_isa(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Apply onednn_isa_cap. oneDNN reads the cap once, at its first bf16 check or
+    primitive: this module runs it on import, before any of ours (checked on that Xeon:
+    set after `import torch` it holds, set after the first oneDNN call it is ignored)."""
+    cap = onednn_isa_cap(cpu_flags(), environ)
+    if cap is not None:
+        environ["ONEDNN_MAX_CPU_ISA"] = cap
+
+
+cap_onednn_isa()
 
 HAS_ONEDNN = (
     torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch: unannotated
@@ -74,10 +102,11 @@ def bf16_supported() -> bool:
 
 
 def resolve_compute_dtype(compute_dtype: str, device: torch.device = CPU) -> str:
-    """ "auto" is bfloat16 on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX: faster
-    and still batch invariant here, docs/benchmarks.md), else float32. On a GPU it stays
-    float32: cuBLAS picks kernels by batch size, and bf16 batch invariance there is not
-    measured yet (deploy/gpu_engine_check.sh). The other names stand for themselves."""
+    """ "auto" is bfloat16 on a CPU that multiplies bf16 natively (AVX512-BF16, or AMX
+    with oneDNN capped at AVX512-BF16: faster and still batch invariant, docs/benchmarks.md,
+    docs/gpu.md), else float32. On a GPU it stays float32: on an H200 bf16 was slower than
+    fp32 for this engine and changed 5-7 of 16 greedy replies (docs/gpu.md). The other
+    names stand for themselves."""
     if compute_dtype != "auto":
         return compute_dtype
     return "bfloat16" if device.type == "cpu" and bf16_supported() else "float32"

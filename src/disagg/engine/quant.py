@@ -70,7 +70,7 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -91,7 +91,7 @@ def _compile(cc: list[str]) -> Path:
         *cc,
         version,
         *FLAGS,
-        _cpu_flags() or os.uname().machine,
+        cpu_flags() or os.uname().machine,
     ]
     key = hashlib.sha256("|".join([*parts, torch.__version__]).encode()).hexdigest()[:16]
     out = cache_dir() / f"qmatmul-{key}.so"
