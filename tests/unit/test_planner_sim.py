@@ -65,6 +65,27 @@ def test_batching_raises_the_token_gap_as_the_profile_says(batch):
     assert steady_gap(batch) == pytest.approx([step] * 14)
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_step_overhead_is_paid_once_a_step_and_a_send_once_a_sequence(batch):
+    """overheads.step_s (what calibration on served runs fills) costs once per step
+    whatever the batch; send_s once per response: at 8 rows the two differ 8x."""
+    profile = P.with_overheads(step_s=0.004)
+    result = Simulator(profile, Topology.parse("colocated:1d", stream_interval=1)).run(
+        [spec(i, 10, 20) for i in range(batch)]
+    )
+    gaps = list(np.diff(result.timelines[-1].chunk_s)[1:15])
+    assert gaps == pytest.approx([P.decode(batch, 0) + batch * SEND + 0.004] * 14)
+
+
+def test_overheads_without_a_step_cost_read_as_zero():
+    from disagg.planner.profile import Overheads
+
+    old = {"dispatch_s": 0.005, "return_s": 0.001, "send_s": 0.0001, "source": "older file"}
+    assert Overheads.from_json(old).step_s == 0.0
+    again = Overheads.from_json(Overheads(0.005, 0.001, 0.0001, 0.004, "x").to_json())
+    assert again.step_s == 0.004
+
+
 def test_a_bigger_batch_decodes_each_sequence_slower():
     assert steady_gap(8)[0] > steady_gap(4)[0] > steady_gap(1)[0]
 

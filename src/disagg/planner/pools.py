@@ -61,7 +61,8 @@ class SimDecodeReplica:
     """One decode server: the engine loop steps while it has sequences, each step's work
     timed by the profile; outputs go out through the real DecodeService._deliver (the
     stream interval: several tokens per response while over half the slots decode), then
-    each response sent costs decode overheads.send_s before the next step."""
+    each response sent costs decode overheads.send_s and the step overheads.step_s before
+    the next step."""
 
     def __init__(
         self,
@@ -122,7 +123,8 @@ class SimDecodeReplica:
         running = len(self.engine.scheduler.running)
         self.service._deliver(cast("list[TokenOutput]", outputs), running)
         self.on_step(self)
-        send_s = self.num_sends * self.profile.overheads.send_s
+        o = self.profile.overheads
+        send_s = self.num_sends * o.send_s + o.step_s
         if send_s > 0:
             self.node.run(send_s, lambda _: self._step())
         else:

@@ -50,6 +50,9 @@ class Overheads:
     dispatch_s: float = 0.005  # client -> a pool starts the request (router, orchestrator, BLS)
     return_s: float = 0.003  # a response's way from a pool back to the client
     send_s: float = 0.0003  # decode's own time per response it sends (in its step loop)
+    # decode's time per step outside the engine's forward (scheduler, Python, the served
+    # loop's bookkeeping): what calibration on served runs finds (benchmarks/sim_vs_real.py)
+    step_s: float = 0.0
     source: str = (
         "assumed from docs/benchmarks.md 'Served pipeline' (2026-11-29): served TTFT was 8.1 ms "
         "over the in-process engine's; sending responses was ~9% of the decode loop"
@@ -57,12 +60,12 @@ class Overheads:
 
     def to_json(self) -> dict[str, Any]:
         return {"dispatch_s": self.dispatch_s, "return_s": self.return_s,
-                "send_s": self.send_s, "source": self.source}  # fmt: skip
+                "send_s": self.send_s, "step_s": self.step_s, "source": self.source}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Overheads:
         return cls(float(d["dispatch_s"]), float(d["return_s"]), float(d["send_s"]),
-                   str(d.get("source", "")))  # fmt: skip
+                   float(d.get("step_s", 0.0)), str(d.get("source", "")))  # fmt: skip
 
 
 @dataclass(frozen=True)
