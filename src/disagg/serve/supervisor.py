@@ -90,7 +90,12 @@ class ExitWatch:
                 self.usable = False
 
     def wait(self, timeout_s: float) -> None:
-        select.select([self._wake_r, *self._fds.values()], [], [], timeout_s)
+        # poll, not select: a process with many sockets (bench, topology) may hand out
+        # descriptors past select's 1024
+        poller = select.poll()
+        for fd in (self._wake_r, *self._fds.values()):
+            poller.register(fd, select.POLLIN)
+        poller.poll(timeout_s * 1000)
 
     def wake(self) -> None:
         with self._lock:
@@ -178,8 +183,12 @@ class StubSupervisor:
                     log.debug("supervisor check failed: %s", e)
                 except Exception:  # never let the supervisor thread die
                     log.exception("supervisor check failed")
-                exits.follow(self._last_pids)
-                exits.wait(self.interval_s)  # a stub's exit ends it at once
+                try:
+                    exits.follow(self._last_pids)
+                    exits.wait(self.interval_s)  # a stub's exit ends it at once
+                except Exception:
+                    log.exception("supervisor exit watch failed: checking every interval")
+                    self._stop.wait(self.interval_s)
         finally:
             exits.close()
 
