@@ -24,6 +24,7 @@ def test_a_cpu_without_amx_is_left_alone():
 
 def test_the_users_cap_and_the_opt_out_stay():
     assert onednn_isa_cap(AMX, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}) is None
+    assert onednn_isa_cap(AMX, {"DNNL_MAX_CPU_ISA": "AVX512_CORE_AMX"}) is None  # older name
     assert onednn_isa_cap(AMX, {"DISAGG_ONEDNN_AMX": "1"}) is None
     assert onednn_isa_cap(AMX, {"DISAGG_ONEDNN_AMX": "0"}) == AMX_CAP
 

@@ -25,7 +25,9 @@ def onednn_isa_cap(flags: str, environ: Mapping[str, str]) -> str | None:
     then depend on its batch. Capped at AVX512-BF16, every row count gives the same bits.
     DISAGG_ONEDNN_AMX=1 keeps AMX (faster bf16 prefill, no batch invariance); a cap the
     user set stays."""
-    if "amx_bf16" not in flags.split() or "ONEDNN_MAX_CPU_ISA" in environ:
+    if "amx_bf16" not in flags.split():
+        return None
+    if "ONEDNN_MAX_CPU_ISA" in environ or "DNNL_MAX_CPU_ISA" in environ:  # (its older name)
         return None
     return None if environ.get("DISAGG_ONEDNN_AMX") == "1" else AMX_CAP
 

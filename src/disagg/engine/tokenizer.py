@@ -100,10 +100,11 @@ def eos_token_ids(engine_dir: str | Path) -> set[int]:
     try:
         eos = json.loads((d / TOKENIZER_CONFIG_FILE).read_text()).get("eos_token")
         added = json.loads((d / TOKENIZER_FILE).read_text()).get("added_tokens") or []
-    except (OSError, ValueError):
-        added, eos = [], None  # (Tokenizer says what is wrong with the files)
-    ids = {t["id"] for t in added if isinstance(t, dict) and t.get("content") == eos}
-    if eos is not None and len(ids) == 1:
+        found = [t.get("id") for t in added if isinstance(t, dict) and t.get("content") == eos]
+    except (OSError, ValueError, AttributeError, TypeError):  # (not the usual JSON objects)
+        found, eos = [], None  # (Tokenizer says what is wrong with the files)
+    ids = {i for i in found if isinstance(i, int)}
+    if isinstance(eos, str) and len(found) == 1 and len(ids) == 1:
         return ids
     return {t for t in (Tokenizer(d).eos_token_id,) if t is not None}
 
