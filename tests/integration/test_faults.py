@@ -223,7 +223,8 @@ def test_an_orchestrator_crash_ends_router_and_gateway_requests_and_frees_decode
 def test_a_router_crash_ends_every_gateway_request_within_seconds(stack):
     """The gateway watches the router process serving each request (named by its
     acknowledgement, contracts.ACK_PARAM): when it dies, every gateway request ends within
-    seconds with a clear error. Before, all four waited for good (found by
+    seconds with a clear error, or completes where the gateway's retry found the router
+    back. Before, all four waited for good (found by
     benchmarks/fault_soak.py): Triton 2.51 never ends the requests of a dead stub. Direct
     clients of `router` on Triton's own ports still wait, as those of `ensemble` do when the
     orchestrator dies (docs/reliability.md), so they are not sent here."""
@@ -235,8 +236,16 @@ def test_a_router_crash_ends_every_gateway_request_within_seconds(stack):
         return _kill_under_load(server, calls, victim)
 
     out, killed = once_more_if_upstream_aborted(server, killed_run)
-    assert out.counts(calls) == {"completed": 0, "error": 4, "unclear": 0, "hung": 0}, out.got
-    for name, (_, detail, ended) in out.got.items():
+    # the gateway tries a non-streamed request again while the router reloads; once the
+    # supervisor woke on the stub's exit (pidfd), the router could be back within that
+    # window, and such a retry completes (as in the orchestrator test above)
+    retried = {"gateway-json", "gateway-json-2"}
+    strict = [name for name in calls if name not in retried]
+    assert out.counts(strict) == {"completed": 0, "error": len(strict), "unclear": 0, "hung": 0}
+    assert all(out.got.get(name, ("hung",))[0] in ("completed", "error") for name in retried)
+    for name, (kind, detail, ended) in out.got.items():
+        if kind != "error":
+            continue
         assert ended - killed < 10, f"{name} ended {ended - killed:.1f} s after the crash"
         # the request, or its retry while the router reloads: 503s with what happened
         dead = (r"router process \(\d+\) serving this request died|no available versions"

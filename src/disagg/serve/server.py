@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -66,15 +67,33 @@ def _in_child(cpus: set[int]) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+_HANDED_OUT: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n ports nobody listens on right now (for tests and benchmarks)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind((host, 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    """n ports nobody listens on right now and this process has not handed out before (for
+    tests and benchmarks). A port handed out is not bound until its server starts, and the
+    kernel may offer it again meanwhile: a CI run once gave two servers of one cluster the
+    same port (a health check read the other's gRPC frames)."""
+    with _PORTS_LOCK:
+        socks: list[socket.socket] = []
+        ports: list[int] = []
+        try:
+            while len(ports) < n:
+                if len(socks) > 1000:
+                    raise OSError(f"no {n} fresh ports on {host}")
+                s = socket.socket()
+                socks.append(s)  # held until the end: one call's ports differ
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+                if port not in _HANDED_OUT:
+                    ports.append(port)
+                    _HANDED_OUT.add(port)
+        finally:
+            for s in socks:
+                s.close()
+        return ports
 
 
 @dataclass
