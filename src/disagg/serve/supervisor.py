@@ -60,11 +60,6 @@ def stub_processes(server_pid: int) -> dict[int, tuple[str, str]]:
     return stubs
 
 
-def stub_models(server_pid: int) -> Counter[str]:
-    """Model name -> live stub processes of the tritonserver with `server_pid`."""
-    return Counter(model for model, _ in stub_processes(server_pid).values())
-
-
 class ExitWatch:
     """Wakes the supervisor the moment a stub it has seen exits, rather than at its next
     check: a pidfd (Linux 5.3+) of each stub, readable once that process has ended. Where
