@@ -7,6 +7,8 @@ In-process, rounds interleaved (blocks, fp32, blocks, ...; best of `--rounds` pe
   - prefill time of a 512-token prompt;
   - perplexity on a fixed text, teacher-forced through decode steps (the block kernels);
   - greedy replies on 16 fixed prompts: how many equal fp32's token for token.
+On a CPU with AVX512-BF16, also the blocks in bf16 arithmetic (activations bfloat16) and
+dense bf16 weights (what a bf16 checkpoint served in bf16 computes).
 With `--llama-python` (a Python with llama-cpp-python installed), the same decode cells from
 llama.cpp in a subprocess (benchmarks/llamacpp_decode.py), run alone after ours.
 
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from disagg.bench.quality import PROMPTS, TEXT, greedy, perplexity
+from disagg.engine import quant
 from disagg.engine.checkpoint import find_packaged_smollm2
 from disagg.engine.model import KVCacheSlots, Llama
 from disagg.engine.tokenizer import Tokenizer
@@ -80,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         "int8": f"blocks ({models['int8'].weights}), int8 activations",
         "float32": "fp32 (dense)",
     }
+    if quant.available() is None and quant.bf16_simd():  # a CPU with AVX512-BF16
+        models["bf16"] = Llama.load(ENGINE, weights="auto", activations="bfloat16")
+        names["bf16"] = f"blocks ({models['bf16'].weights}), bf16 arithmetic"
+        models["dense_bf16"] = Llama.load(ENGINE, weights="bfloat16")
+        names["dense_bf16"] = "bf16 (dense, oneDNN)"
     tok = Tokenizer(ENGINE)
     cells: dict[str, dict[str, list[float]]] = {w: {} for w in models}
     for r in range(a.rounds):
@@ -95,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     replies = {w: greedy(m, [tok.encode(q) for q in PROMPTS], 24) for w, m in models.items()}
     same = {
         w: sum(x == y for x, y in zip(replies[w], replies["float32"], strict=True))
-        for w in ("auto", "int8")
+        for w in models
+        if w != "float32"
     }
     llama: dict[str, float] = {}
     for _ in range(a.rounds if a.llama_python else 0):  # alone, after ours; best of rounds
@@ -138,7 +147,7 @@ def report(best: dict, names: dict, same: dict[str, int], llama: dict[str, float
         row = " | ".join(f"{llama.get(c, float('nan')):.3g}" for c in cols[:3])
         print(f"| llama.cpp (same GGUF) | {row} | - | - |")
     f = best["float32"]
-    for w in ("auto", "int8"):
+    for w in same:
         q = best[w]
         print(
             f"\n{names[w]}: batch-1 decode {f['decode_b1_ms'] / q['decode_b1_ms']:.2f}x fp32, "

@@ -7,10 +7,10 @@ Batch invariance is kept: a row is quantized alone."""
 from __future__ import annotations
 
 import pytest
-import torch
+from helpers.batch_invariance import assert_decode_batch_invariant
 
 from disagg.bench.quality import PROMPTS, TEXT, first_difference, greedy, perplexity
-from disagg.engine.model import KVCacheSlots, Llama
+from disagg.engine.model import Llama
 from disagg.errors import ConfigError
 
 pytestmark = pytest.mark.model
@@ -52,20 +52,4 @@ def test_greedy_replies_agree_on_most_prompts(llm, int8, dense):
 
 
 def test_int8_decode_is_batch_invariant(llm, int8):
-    g = torch.Generator().manual_seed(1)
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
-    prompts += [torch.randint(1000, 40000, (int(n),), generator=g).tolist() for n in (9, 120)]
-    cache = KVCacheSlots(int8.args, max_slots=len(prompts), max_len=256)
-
-    def step(order: list[int]) -> torch.Tensor:
-        for slot, i in enumerate(order):
-            _, k, v = int8.prefill(prompts[i])
-            cache.write(slot, k, v)
-        pos = torch.tensor([len(prompts[i]) for i in order])
-        return int8.decode(torch.full((len(order),), 42), pos, cache)
-
-    alone = [step([i])[0] for i in range(len(prompts))]
-    order = list(range(len(prompts)))[::-1]
-    batch = step(order)
-    for slot, i in enumerate(order):
-        assert torch.equal(batch[slot], alone[i])
+    assert_decode_batch_invariant(int8, llm.tokenizer)

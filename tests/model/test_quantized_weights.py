@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.batch_invariance import assert_decode_batch_invariant
 
 from disagg.bench.quality import PROMPTS, TEXT, greedy, perplexity
 from disagg.engine.config import EngineConfig
@@ -58,22 +59,7 @@ def test_perplexity_within_one_percent_of_fp32(llm, blocks, dense):
 
 
 def test_block_decode_is_batch_invariant(llm, blocks):
-    g = torch.Generator().manual_seed(0)
-    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:3]]
-    prompts += [torch.randint(1000, 40000, (int(n),), generator=g).tolist() for n in (7, 90, 200)]
-    cache = KVCacheSlots(blocks.args, max_slots=len(prompts), max_len=256)
-
-    def step(order):
-        for slot, i in enumerate(order):
-            _, k, v = blocks.prefill(prompts[i])
-            cache.write(slot, k, v)
-        pos = torch.tensor([len(prompts[i]) for i in order])
-        return blocks.decode(torch.full((len(order),), 42), pos, cache)
-
-    alone = [step([i])[0] for i in range(len(prompts))]
-    order = list(range(len(prompts)))[::-1]
-    for slot, i in enumerate(order):
-        assert torch.equal(step(order)[slot], alone[i])
+    assert_decode_batch_invariant(blocks, llm.tokenizer, lengths=(7, 90, 200), seed=0)
 
 
 def test_handoff_equals_colocated_prefill_with_blocks(llm, blocks):

@@ -1,4 +1,4 @@
-"""The int8-activation block kernels (engine/qdot.c through quant.qlinear(int8=True)) from
+"""The int8-activation block kernels (engine/qdot.c through quant.qlinear(activations="int8")) from
 plain numbers: rows quantized exactly as the scheme says, products equal to the integer
 arithmetic they stand for, close to fp32, batch invariant bit for bit, and the portable C
 fallback giving the SIMD path's bits. No weights, no model."""
@@ -64,7 +64,7 @@ def test_product_is_the_integer_arithmetic_it_stands_for(fmt):
     want = (isum * d[None] * dx.double()[:, None]).sum(-1) + (a[None] * sx.double()[:, None]).sum(
         -1
     )
-    got = quant.qlinear(x, w, int8=True)
+    got = quant.qlinear(x, w, "int8")
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
     # and what it approximates: the fp32 product, within the activations' 8 bits
     exact = x @ ref.T
@@ -75,10 +75,10 @@ def test_product_is_the_integer_arithmetic_it_stands_for(fmt):
 def test_int8_rows_get_the_same_bits_alone_and_in_any_batch(fmt):
     w, _ = blocks(fmt, 130, 224, seed=9)
     x = rows(70, 224, seed=2)
-    full = quant.qlinear(x, w, int8=True)
+    full = quant.qlinear(x, w, "int8")
     for b in (1, 2, 3, 4, 5, 8, 17, 64, 70):
-        assert torch.equal(quant.qlinear(x[:b], w, int8=True), full[:b]), b
-    assert torch.equal(quant.qlinear(x[3:4], w, int8=True), full[3:4])
+        assert torch.equal(quant.qlinear(x[:b], w, "int8"), full[:b]), b
+    assert torch.equal(quant.qlinear(x[3:4], w, "int8"), full[3:4])
 
 
 def test_portable_fallback_gives_the_simd_bits(tmp_path: Path):
@@ -100,4 +100,4 @@ def test_portable_fallback_gives_the_simd_bits(tmp_path: Path):
         y = torch.empty(5, 33)
         args = (x.data_ptr(), 5, 288, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr())
         assert lib.disagg_qdot_matmul(*args, quant.FORMATS.index(fmt), 33, y.data_ptr(), 1) == 0
-        assert torch.equal(y, quant.qlinear(x, w, int8=True)), fmt
+        assert torch.equal(y, quant.qlinear(x, w, "int8")), fmt

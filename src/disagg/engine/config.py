@@ -9,8 +9,9 @@ from typing import Any
 
 from disagg.errors import ConfigError
 
-# what a decode step's block products multiply (model.Llama.activations; qdot.c for int8)
-ACTIVATIONS = ("float32", "int8")
+# what the decode pool's block products multiply (model.Llama.activations; qdot.c for int8,
+# qbf16.c for bfloat16)
+ACTIVATIONS = ("float32", "int8", "bfloat16")
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

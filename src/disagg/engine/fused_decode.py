@@ -40,7 +40,7 @@ class Llama(Protocol):
     scale: float
     layers: list[Any]  # model.LayerWeights
     lm_head: Linear | BlockLinear
-    activations: str  # "float32" or "int8": what the blocks multiply
+    activations: str  # "float32", "int8" or "bfloat16": what the blocks multiply
 
 
 MAX_HEAD_DIM = 512  # qmatmul.c's RoPE buffer
@@ -67,7 +67,7 @@ def _mm(x: torch.Tensor, lin: Linear | BlockLinear, int8: bool) -> torch.Tensor:
     """The blocks at any batch size (kernels.linear would take the dense copy past
     DIRECT_ROWS rows: a sequence's tokens would then depend on the batch)."""
     if isinstance(lin, BlockLinear):
-        return quant.qlinear(x, lin.blocks, int8)
+        return quant.qlinear(x, lin.blocks, "int8" if int8 else lin.activations)
     return linear(x, lin)
 
 

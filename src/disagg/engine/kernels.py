@@ -68,7 +68,10 @@ class BlockLinear:
     results equal the dense engine's; a decode row's summation order differs from it."""
 
     blocks: QuantLinear
-    dense: Linear
+    dense: Linear | None  # None with bf16 activations: the blocks serve every row count
+    # "bfloat16": every product in qbf16.c's bf16 arithmetic, at any row count (prefill's
+    # too: one arithmetic, so a cached prefix and a cold prompt get the same K/V)
+    activations: str = "float32"
 
     @property
     def fmt(self) -> str:
@@ -166,7 +169,9 @@ def linear(x: torch.Tensor, lin: Linear | BlockLinear) -> torch.Tensor:
     one differ by rounding: decode batches never cross that line (engine/fused_decode.py
     multiplies blocks at any size; the torch decode path caps max_num_seqs there)."""
     if isinstance(lin, BlockLinear):
-        if x.shape[0] > DIRECT_ROWS:
+        if lin.activations == "bfloat16":
+            return qlinear(x, lin.blocks, "bfloat16")
+        if x.shape[0] > DIRECT_ROWS and lin.dense is not None:
             return linear(x, lin.dense)
         return qlinear(x, lin.blocks)
     if lin.weight.dtype != x.dtype:  # bf16 weights: bf16 in, fp32 residual stream out

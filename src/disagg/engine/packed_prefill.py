@@ -44,7 +44,7 @@ def _grouped(x: torch.Tensor, lin: Linear | BlockLinear, split: int) -> torch.Te
     """linear(x, lin) for rows of chunks that multiply blocks (:split) and of chunks that
     multiply the dense weights (split:), each group as one product: every row meets the
     kernel it meets when its chunk runs alone."""
-    if not isinstance(lin, BlockLinear):  # one kernel for every row count from two on
+    if not isinstance(lin, BlockLinear) or lin.dense is None:  # one kernel for every row count
         return linear(x, lin)
     parts = []
     if split:

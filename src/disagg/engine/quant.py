@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from disagg.engine.config import QUANT_WEIGHTS_FILE
+from disagg.engine.config import ACTIVATIONS, QUANT_WEIGHTS_FILE
 from disagg.errors import ConfigError
 
 log = logging.getLogger("disagg.engine.quant")
@@ -41,8 +41,8 @@ log = logging.getLogger("disagg.engine.quant")
 GROUP = 32
 DIRECT_ROWS = 64  # beyond: prefill's rows, multiplied by the dense fp32 weights (kernels.py)
 FORMATS = ("q4_0", "q4_1", "q8_0")
-# fp32 activations (qmatmul.c) and int8-quantized ones (qdot.c), one library
-_SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "qdot.c"))
+# fp32 activations (qmatmul.c), int8-quantized ones (qdot.c), bf16 arithmetic (qbf16.c)
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "qdot.c", "qbf16.c"))
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -141,6 +141,8 @@ def _library() -> ctypes.CDLL | str:
     lib.disagg_qdot_matmul.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _i64]
     lib.disagg_qdot_matmul.argtypes += [_ptr, ctypes.c_int]
     lib.disagg_qdot_quantize.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
+    lib.disagg_qbf16_matmul.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _i64]
+    lib.disagg_qbf16_matmul.argtypes += [_ptr, ctypes.c_int, ctypes.c_int]
     for f in _VOID_FUNCTIONS:
         getattr(lib, f).restype = None
     return lib
@@ -180,6 +182,22 @@ def _lib() -> ctypes.CDLL:
 def simd() -> bool:
     """Whether the kernels were built with AVX2+FMA (else portable C, much slower)."""
     return bool(_lib().disagg_qmatmul_simd())
+
+
+def bf16_simd() -> bool:
+    """Whether bf16 block products run on the CPU's own bf16 instructions (AVX512-BF16); else
+    only qbf16.c's portable reference, far too slow to serve with."""
+    return bool(_lib().disagg_qbf16_simd())
+
+
+def require_bf16() -> bool:
+    """True where bf16 block products can serve, else a ConfigError saying why not."""
+    if not bf16_simd():
+        raise ConfigError(
+            "bfloat16 activations need a CPU with AVX512-BF16 (vdpbf16ps); this one has "
+            "none: use float32 or int8"
+        )
+    return True
 
 
 def from_blocks(
@@ -230,10 +248,15 @@ def dequantize(w: QuantLinear) -> torch.Tensor:
     return out
 
 
-def qlinear(x: torch.Tensor, w: QuantLinear, int8: bool = False) -> torch.Tensor:
+def qlinear(
+    x: torch.Tensor, w: QuantLinear, activations: str = "float32", portable: bool = False
+) -> torch.Tensor:
     """x [M, k] fp32 -> x @ W.T [M, n] fp32, any M (a row's result never depends on M).
-    `int8`: each row quantized per group of 32 to int8 first and multiplied in integers
-    (qdot.c, llama.cpp's scheme); else fp32 activations against the expanded weights."""
+    `activations` "float32": fp32 activations against the expanded weights (qmatmul.c);
+    "int8": each row quantized per group of 32 to int8 first and multiplied in integers
+    (qdot.c, llama.cpp's scheme); "bfloat16": rows and weights rounded to bf16, products
+    summed in fp32 (qbf16.c; `portable` runs its reference path even where the CPU has
+    AVX512-BF16)."""
     rows = x.shape[0]
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[1] != w.k:
@@ -241,12 +264,18 @@ def qlinear(x: torch.Tensor, w: QuantLinear, int8: bool = False) -> torch.Tensor
     y = torch.empty(rows, w.n, dtype=torch.float32)
     threads = torch.get_num_threads()
     lib = _lib()
-    if int8:
-        fmt = FORMATS.index(w.fmt)  # qdot.c's enum: 0 q4_0, 1 q4_1, 2 q8_0
+    if activations in ("int8", "bfloat16"):
+        fmt = FORMATS.index(w.fmt)  # qdot.c's and qbf16.c's enum: 0 q4_0, 1 q4_1, 2 q8_0
         args = (x.data_ptr(), rows, w.k, w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), fmt)
-        if lib.disagg_qdot_matmul(*args, w.n, y.data_ptr(), threads) != 0:
-            raise MemoryError(f"qlinear: no scratch for {rows} x {w.k} quantized activations")
+        if activations == "int8":
+            failed = lib.disagg_qdot_matmul(*args, w.n, y.data_ptr(), threads)
+        else:
+            failed = lib.disagg_qbf16_matmul(*args, w.n, y.data_ptr(), threads, int(portable))
+        if failed:
+            raise MemoryError(f"qlinear: no scratch for {rows} x {w.k} {activations} activations")
         return y
+    if activations != "float32":
+        raise ValueError(f"qlinear: activations must be one of {ACTIVATIONS}, got {activations!r}")
     if w.fmt == "q8_0":
         lib.disagg_q8_0_matmul(
             x.data_ptr(), rows, w.k, w.qs.data_ptr(), w.d.data_ptr(), w.n, y.data_ptr(), threads
@@ -268,8 +297,8 @@ def qlinear(x: torch.Tensor, w: QuantLinear, int8: bool = False) -> torch.Tensor
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What `qlinear(int8=True)` multiplies: x [M, k] -> qx [M, k] int8, dx and sx [M, k/32]
-    (scale, scale * sum of the group's qx)."""
+    """What `qlinear(activations="int8")` multiplies: x [M, k] -> qx [M, k] int8, dx and sx
+    [M, k/32] (scale, scale * sum of the group's qx)."""
     x = x.contiguous().float()
     rows, k = x.shape
     qx = torch.empty(rows, k, dtype=torch.int8)

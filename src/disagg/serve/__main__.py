@@ -193,7 +193,8 @@ def _weights(settings: ServeSettings) -> str:
     acts = settings.decode_activations
     return (
         f"auto: the checkpoint's own {'+'.join(formats)} blocks, {acts} decode activations "
-        "(DISAGG_WEIGHTS=float32: dense; DISAGG_DECODE_ACTIVATIONS=int8: faster decode)"
+        "(DISAGG_WEIGHTS=float32: dense; DISAGG_DECODE_ACTIVATIONS=int8 or, on AVX512-BF16 "
+        "CPUs, bfloat16: faster)"
     )
 
 

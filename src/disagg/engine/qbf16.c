@@ -1,0 +1,256 @@
+/* Matrix products with GGUF block-quantized weights in bf16 arithmetic: the third path beside
+ * qmatmul.c (fp32) and qdot.c (int8 activations); engine/quant.py compiles all three into one
+ * library.
+ *
+ *   y[M, N] = x[M, K] @ W[N, K]^T, W in the checkpoint's blocks of 32 (see qmatmul.c), with
+ *     x_j rounded to bf16 (nearest even) once per row,
+ *     w_j = bf16(d q_j + m), the fp32 weight qmatmul.c multiplies, rounded to bf16,
+ *   and the products summed in fp32 by vdpbf16ps (AVX512-BF16): lane i of a 16-lane
+ *   accumulator takes the pair (2i, 2i+1) of every group of 32, then the lanes are folded
+ *   in a fixed order.
+ *
+ * Why: at 16 decode rows the fp32 block products are bound by multiply-adds (~125 GFLOP/s
+ * on two Zen4 cores, about half of fp32's peak); vdpbf16ps does two products a lane per
+ * instruction, and a Q4 group's 32 weights become bf16 with one table lookup (vpermw over
+ * the group's 16 possible values) instead of four converts, multiplies and adds.
+ *
+ * What it changes: both factors lose precision (8 significant bits: what a bf16 checkpoint
+ * served in bf16 multiplies, as vLLM does by default on such CPUs); sums stay fp32. Greedy
+ * replies and perplexity against the fp32 path are measured (benchmarks/weights_bench.py)
+ * and tested. It is opt-in (decode_activations bfloat16).
+ *
+ * One arithmetic, two implementations: the portable one below spells out what the
+ * instruction does (products exact in fp32, then two adds, each rounded to nearest even,
+ * the odd element of a pair first; denormal inputs and results flushed to zero, as the
+ * instruction does), and tests/unit/test_qbf16.py holds the vector path to it bit for bit.
+ * The portable path is what a CPU without AVX512-BF16 would run (slowly: the engine refuses
+ * the setting there). Batch invariant by construction, as qmatmul.c: every (row, column) is
+ * one fixed sequence of operations whatever the other rows are, computed by one thread.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define QBF16_SIMD 1
+#endif
+
+#define GROUP 32
+#define RT 4 /* rows of a register tile */
+#define CT 6 /* columns of a register tile: 24 accumulators, 6 weights, 1 of x (32 zmm) */
+
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 }; /* quant.FORMATS' order */
+
+int disagg_qbf16_simd(void) {
+#ifdef QBF16_SIMD
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline uint32_t bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp32 -> bf16 as vcvtneps2bf16: nearest even; a denormal input gives a signed zero */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u = bits(f);
+    if ((u & 0x7F800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float flush(float f) { /* denormal -> signed zero */
+    uint32_t u = bits(f);
+    return (u & 0x7F800000u) == 0 ? from_bits(u & 0x80000000u) : f;
+}
+
+static inline float bf(uint16_t h) { return from_bits((uint32_t)h << 16); }
+
+/* The bf16 weights of one group: w[j] = bf16(d * (q_j - zero) + m) (Q4) or bf16(d * q_j). */
+static void expand_group(const uint8_t *qs, float d, float m, int fmt, uint16_t w[GROUP]) {
+    if (fmt == Q8_0) {
+        for (int j = 0; j < GROUP; j++) w[j] = to_bf16(d * (float)(int8_t)qs[j]);
+        return;
+    }
+    int zero = fmt == Q4_0 ? 8 : 0;
+    for (int j = 0; j < 16; j++) {
+        w[j] = to_bf16(d * (float)((qs[j] & 0x0F) - zero) + m);
+        w[j + 16] = to_bf16(d * (float)((qs[j] >> 4) - zero) + m);
+    }
+}
+
+/* lane i += x[2i+1] w[2i+1], then += x[2i] w[2i]: vdpbf16ps's order and rounding */
+static inline void dot_group(float acc[16], const uint16_t *x, const uint16_t *w) {
+    for (int i = 0; i < 16; i++) {
+        float a = flush(acc[i] + bf(x[2 * i + 1]) * bf(w[2 * i + 1]));
+        acc[i] = flush(a + bf(x[2 * i]) * bf(w[2 * i]));
+    }
+}
+
+static inline float fold16(const float a[16]) { /* the vector fold's order */
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+static void portable(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t *qs,
+                     const float *d, const float *mn, int fmt, int64_t n, float *y,
+                     int threads) {
+    int64_t ng = k / GROUP, width = fmt == Q8_0 ? GROUP : 16;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < n; c++) {
+        uint16_t *w = malloc((size_t)k * sizeof(uint16_t));
+        if (!w) continue; /* (the caller checked it can allocate; y keeps its contents) */
+        for (int64_t g = 0; g < ng; g++)
+            expand_group(qs + (c * ng + g) * width, d[c * ng + g], mn ? mn[c * ng + g] : 0.0f,
+                         fmt, w + g * GROUP);
+        for (int64_t r = 0; r < m_rows; r++) {
+            float acc[16] = {0};
+            for (int64_t g = 0; g < ng; g++) dot_group(acc, xb + r * k + g * GROUP, w + g * GROUP);
+            y[r * n + c] = fold16(acc);
+        }
+        free(w);
+    }
+}
+
+#ifdef QBF16_SIMD
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float fold16_v(__m512 v) {
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4)); /* s4[0]+s4[2], s4[1]+s4[3] */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x55)));
+}
+
+/* one Q4 group to 32 bf16: the group's 16 possible weights computed and rounded once (the
+ * scalar expansion's values), then looked up by nibble */
+INLINE __m512i q4_group(const uint8_t *qs, float d, float m, int zero) {
+    const __m512 idx = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512 v = _mm512_add_ps(
+        _mm512_mul_ps(_mm512_set1_ps(d), _mm512_sub_ps(idx, _mm512_set1_ps((float)zero))),
+        _mm512_set1_ps(m));
+    __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+    __m128i b = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+    __m512i nib = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+    return _mm512_permutexvar_epi16(nib, table);
+}
+
+INLINE __m512i q8_group(const int8_t *qs, float d) {
+    __m512 dg = _mm512_set1_ps(d);
+    __m512 lo = _mm512_mul_ps(dg, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128((const __m128i *)qs))));
+    __m512 hi = _mm512_mul_ps(dg, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128((const __m128i *)(qs + 16)))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static void expand_cols(const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t ng,
+                        int64_t nc, uint16_t *out) {
+    int64_t width = fmt == Q8_0 ? GROUP : 16;
+    int zero = fmt == Q4_0 ? 8 : 0;
+    for (int64_t i = 0; i < nc * ng; i++) {
+        __m512i w = fmt == Q8_0 ? q8_group((const int8_t *)qs + i * width, d[i])
+                                : q4_group(qs + i * width, d[i], mn[i], zero);
+        _mm512_storeu_si512(out + i * GROUP, w);
+    }
+}
+
+/* NR rows (a constant at each call: the accumulators stay in registers) against nc <= CT
+ * expanded columns w [nc, k] */
+INLINE void tile_n(const uint16_t *xb, int64_t k, const int NR, const uint16_t *w, int64_t nc,
+                   float *y, int64_t ldy) {
+    __m512 acc[RT][CT];
+    const uint16_t *wc[CT];
+    for (int c = 0; c < CT; c++) wc[c] = w + (c < nc ? c : 0) * k;
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < CT; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += GROUP) {
+        __m512i wv[CT];
+        for (int c = 0; c < CT; c++) wv[c] = _mm512_loadu_si512(wc[c] + j);
+        for (int r = 0; r < NR; r++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * k + j);
+            for (int c = 0; c < CT; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, (__m512bh)wv[c]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int64_t c = 0; c < nc; c++) y[r * ldy + c] = fold16_v(acc[r][c]);
+}
+
+static void tile(const uint16_t *xb, int64_t k, int64_t nr, const uint16_t *w, int64_t nc,
+                 float *y, int64_t ldy) {
+    switch (nr) {
+    case 1: tile_n(xb, k, 1, w, nc, y, ldy); break;
+    case 2: tile_n(xb, k, 2, w, nc, y, ldy); break;
+    case 3: tile_n(xb, k, 3, w, nc, y, ldy); break;
+    default: tile_n(xb, k, 4, w, nc, y, ldy); break;
+    }
+}
+
+static void vector(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t *qs,
+                   const float *d, const float *mn, int fmt, int64_t n, float *y, int threads) {
+    int64_t ng = k / GROUP, bytes = ng * (fmt == Q8_0 ? GROUP : 16);
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t buf[CT * k] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < n; c += CT) {
+            int64_t nc = n - c < CT ? n - c : CT;
+            expand_cols(qs + c * bytes, d + c * ng, mn ? mn + c * ng : d, fmt, ng, nc, buf);
+            for (int64_t r0 = 0; r0 < m_rows; r0 += RT) {
+                int64_t nr = m_rows - r0 < RT ? m_rows - r0 : RT;
+                tile(xb + r0 * k, k, nr, buf, nc, y + r0 * n + c, n);
+            }
+        }
+    }
+}
+#endif
+
+/* x [M, K] fp32 -> bf16 [M, K] (K a multiple of 32) */
+static void round_rows(const float *x, int64_t count, uint16_t *xb, int simd) {
+    int64_t i = 0;
+#ifdef QBF16_SIMD
+    if (simd)
+        for (; i + 16 <= count; i += 16)
+            _mm256_storeu_si256((__m256i *)(xb + i),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#endif
+    (void)simd;
+    for (; i < count; i++) xb[i] = to_bf16(x[i]);
+}
+
+/* x [M, K] fp32; W: qs [N, K/32, 16] uint8 (fmt 0 Q4_0, 1 Q4_1) or [N, K/32, 32] int8
+ * (fmt 2 Q8_0), d and mn [N, K/32] fp32 (mn NULL: none); y [M, N] fp32. `portable_only`:
+ * the portable path even where the vector one runs (the tests' reference). Returns -1 where
+ * the scratch for the rounded rows cannot be allocated, else 0. */
+int disagg_qbf16_matmul(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
+                        const float *d, const float *mn, int fmt, int64_t n, float *y,
+                        int threads, int portable_only) {
+    uint16_t *xb = malloc((size_t)(m_rows * k) * sizeof(uint16_t) + 64);
+    if (!xb) return -1;
+    int simd = disagg_qbf16_simd() && !portable_only;
+    round_rows(x, m_rows * k, xb, simd);
+#ifdef QBF16_SIMD
+    if (simd) {
+        vector(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
+        free(xb);
+        return 0;
+    }
+#endif
+    portable(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
+    free(xb);
+    return 0;
+}

@@ -1,0 +1,95 @@
+"""The bf16 block kernels (engine/qbf16.c through quant.qlinear(activations="bfloat16")) from
+plain numbers: the portable path equal bit for bit to the arithmetic written out in numpy,
+the AVX512-BF16 path equal bit for bit to the portable one (where the CPU has it), close to
+fp32, batch invariant. No weights, no model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers.quant_blocks import FORMATS, blocks
+
+from disagg.engine import quant
+
+pytestmark = pytest.mark.unit
+
+needs_bf16 = pytest.mark.skipif(
+    quant.available() is not None or not quant.bf16_simd(),
+    reason="the vector path needs a CPU with AVX512-BF16 (the portable path is tested anywhere)",
+)
+
+
+def rows(m: int, k: int, seed: int) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0.0  # an all-zero group
+    x[1, 5] = 1e-39  # a denormal: flushed to zero, as vcvtneps2bf16 does
+    return x
+
+
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    """fp32 -> the fp32 value of its bf16 rounding (nearest even; denormals to zero)."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    r = np.where((u & 0x7F800000) == 0, u & 0x80000000, r)
+    return r.astype(np.uint32).view(np.float32)
+
+
+def reference(x: torch.Tensor, w: quant.QuantLinear) -> np.ndarray:
+    """The arithmetic qbf16.c's header states: bf16 rows and weights, 16 fp32 lanes per
+    group of 32 (lane i: += x[2i+1] w[2i+1], then += x[2i] w[2i]), folded 8-4-2-1."""
+    wf = quant.dequantize(w).numpy()  # the fp32 weights qmatmul.c multiplies
+    xb = to_bf16(x.numpy()).reshape(x.shape[0], 1, -1, 16, 2)
+    wb = to_bf16(wf).reshape(1, w.n, -1, 16, 2)
+    acc = np.zeros((x.shape[0], w.n, 16), np.float32)
+    for g in range(w.k // 32):  # float32 ops, each rounded; products exact in fp32
+        acc = acc + xb[:, :, g, :, 1] * wb[:, :, g, :, 1]
+        acc = acc + xb[:, :, g, :, 0] * wb[:, :, g, :, 0]
+    s8 = acc[..., :8] + acc[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    return (s4[..., 0] + s4[..., 2]) + (s4[..., 1] + s4[..., 3])
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_portable_path_is_the_stated_arithmetic(fmt):
+    w, _ = blocks(fmt, 13, 160, seed=2)
+    x = rows(5, 160, seed=2)
+    got = quant.qlinear(x, w, "bfloat16", portable=True).numpy()
+    assert np.array_equal(got, reference(x, w))
+
+
+@needs_bf16
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 16, 33])
+def test_vector_path_gives_the_portable_bits(fmt, m):
+    w, _ = blocks(fmt, 75, 576, seed=m)  # 75 columns: a tile of 6 with a tail of 3
+    x = rows(m, 576, seed=m) if m > 1 else rows(2, 576, seed=1)[1:]
+    assert torch.equal(
+        quant.qlinear(x, w, "bfloat16"), quant.qlinear(x, w, "bfloat16", portable=True)
+    )
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_close_to_fp32(fmt):
+    w, ref = blocks(fmt, 64, 576, seed=7)
+    x = rows(4, 576, seed=7)
+    got, want = quant.qlinear(x, w, "bfloat16"), x @ ref.T
+    # two bf16 roundings (2^-9 each) on every product of a 576-long sum
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert not torch.equal(got, quant.qlinear(x, w))  # and it is not the fp32 path
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_rows_get_the_same_bits_alone_and_in_any_batch(fmt):
+    w, _ = blocks(fmt, 45, 192, seed=4)
+    x = rows(11, 192, seed=4)
+    full = quant.qlinear(x, w, "bfloat16")
+    for b in (1, 2, 4, 5, 9):
+        assert torch.equal(quant.qlinear(x[:b], w, "bfloat16"), full[:b]), b
+    assert torch.equal(quant.qlinear(x[6:7], w, "bfloat16"), full[6:7])
+
+
+def test_unknown_activations_are_refused():
+    w, _ = blocks("q4_1", 4, 64)
+    with pytest.raises(ValueError, match="activations must be one of"):
+        quant.qlinear(torch.randn(2, 64), w, "float16")
