@@ -28,7 +28,8 @@ own process, KV events on), its replicas chosen by the blocks they hold and thei
 (replica_choice cache_aware) or by load alone; the prompt tokens that came from a cache,
 against one server's (disagg-on, --mode disaggregated: its one prefill pool sees every turn).
 
-    python benchmarks/prefix_bench.py [--servers disagg-off disagg-on disagg-int8 vllm-on]
+    python benchmarks/prefix_bench.py
+        [--servers disagg-off disagg-on disagg-int8 disagg-bf16 vllm-on]
         [--workloads shared multiturn chat]
     python benchmarks/prefix_bench.py --mode disaggregated --workloads multiturn \
         --servers disagg-on cluster-cache cluster-load
@@ -429,6 +430,7 @@ SERVERS = {
     "disagg-off": lambda a: disagg_server(a, cache=False),
     "disagg-on": lambda a: disagg_server(a, cache=True),
     "disagg-int8": lambda a: disagg_server(a, cache=True, decode_activations="int8"),
+    "disagg-bf16": lambda a: disagg_server(a, cache=True, decode_activations="bfloat16"),
     "vllm-off": lambda a: vllm_server(a, cache=False),
     "vllm-on": lambda a: vllm_server(a, cache=True),
     "cluster-cache": lambda a: cluster_server(a, "cache_aware"),

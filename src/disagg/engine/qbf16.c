@@ -200,19 +200,28 @@ static void tile(const uint16_t *xb, int64_t k, int64_t nr, const uint16_t *w, i
     }
 }
 
+/* Rows in blocks of RB (prefill's thousands of rows: a block's bf16 rows stay in L2 while
+ * every column passes over them, instead of all rows streaming from memory for each group of
+ * CT columns); in a block, columns split among the threads, CT at a time expanded into an L1
+ * buffer and multiplied with every row of the block. A (row, column)'s sum is the same
+ * whatever block, tile or thread it falls in. */
+#define RB 128
 static void vector(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t *qs,
                    const float *d, const float *mn, int fmt, int64_t n, float *y, int threads) {
     int64_t ng = k / GROUP, bytes = ng * (fmt == Q8_0 ? GROUP : 16);
 #pragma omp parallel num_threads(threads)
     {
         uint16_t buf[CT * k] __attribute__((aligned(64)));
+        for (int64_t b0 = 0; b0 < m_rows; b0 += RB) {
+            int64_t b1 = m_rows - b0 < RB ? m_rows : b0 + RB;
 #pragma omp for schedule(static)
-        for (int64_t c = 0; c < n; c += CT) {
-            int64_t nc = n - c < CT ? n - c : CT;
-            expand_cols(qs + c * bytes, d + c * ng, mn ? mn + c * ng : d, fmt, ng, nc, buf);
-            for (int64_t r0 = 0; r0 < m_rows; r0 += RT) {
-                int64_t nr = m_rows - r0 < RT ? m_rows - r0 : RT;
-                tile(xb + r0 * k, k, nr, buf, nc, y + r0 * n + c, n);
+            for (int64_t c = 0; c < n; c += CT) {
+                int64_t nc = n - c < CT ? n - c : CT;
+                expand_cols(qs + c * bytes, d + c * ng, mn ? mn + c * ng : d, fmt, ng, nc, buf);
+                for (int64_t r0 = b0; r0 < b1; r0 += RT) {
+                    int64_t nr = b1 - r0 < RT ? b1 - r0 : RT;
+                    tile(xb + r0 * k, k, nr, buf, nc, y + r0 * n + c, n);
+                }
             }
         }
     }
