@@ -54,14 +54,22 @@ def calibration_specs(workload: W.Workload, per_class: int, seed: int) -> list[W
     return [replace(s, max_tokens=min(s.max_tokens, CALIBRATION_MAX_TOKENS)) for s in chosen]
 
 
+def phase_prompts(
+    prompts: W.PromptMaker, specs: list[W.RequestSpec], first: int
+) -> tuple[Callable[[W.RequestSpec], str], int]:
+    """The texts of one phase (the unloaded calibration, or one rate) and where the next
+    phase's begin: each phase its own, so that a later rate does not find the prompts of an
+    earlier one in the server's prefix cache (each rate draws the same seeded specs, so their
+    indices repeat). A spec's text is PromptMaker.text at first + its index."""
+    after = first + max((s.index for s in specs), default=-1) + 1
+    return (lambda spec: prompts.text(spec.prompt_tokens, first + spec.index)), after
+
+
 async def sweep(target: Target, cfg: SweepConfig, prompts: W.PromptMaker, label: str) -> Sweep:
     workload = W.WORKLOADS[cfg.workload]
-
-    def prompt_for(spec: W.RequestSpec) -> str:
-        return prompts.text(spec.prompt_tokens, spec.index)
-
     out: Sweep = {"config": asdict(cfg), "label": label, "unloaded": [], "rates": {}}
     specs = calibration_specs(workload, cfg.calibration_per_class, cfg.seed)
+    prompt_for, texts = phase_prompts(prompts, specs, 0)
     bar, progress = _bar(len(specs), f"{label} {cfg.workload} unloaded")
     with bar:
         out["unloaded"] = [
@@ -69,6 +77,7 @@ async def sweep(target: Target, cfg: SweepConfig, prompts: W.PromptMaker, label:
         ]
     for rate in cfg.rates:
         specs = W.build(workload, rate, cfg.num_requests, cfg.seed)
+        prompt_for, texts = phase_prompts(prompts, specs, texts)
         bar, progress = _bar(len(specs), f"{label} {cfg.workload} {rate:g}/s")
         with bar:
             timelines = await run_open_loop(target, specs, prompt_for, progress)
