@@ -60,7 +60,7 @@ def test_portable_path_is_the_stated_arithmetic(fmt):
 
 @needs_bf16
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("m", [1, 3, 4, 7, 16, 33])
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 16, 33, 128, 130, 257])  # rows: blocks of 128
 def test_vector_path_gives_the_portable_bits(fmt, m):
     w, _ = blocks(fmt, 75, 576, seed=m)  # 75 columns: a tile of 6 with a tail of 3
     x = rows(m, 576, seed=m) if m > 1 else rows(2, 576, seed=1)[1:]
@@ -87,6 +87,8 @@ def test_rows_get_the_same_bits_alone_and_in_any_batch(fmt):
     for b in (1, 2, 4, 5, 9):
         assert torch.equal(quant.qlinear(x[:b], w, "bfloat16"), full[:b]), b
     assert torch.equal(quant.qlinear(x[6:7], w, "bfloat16"), full[6:7])
+    many = torch.cat([x] * 30)  # 330 rows: rows 297-307 (third block of 128) as alone
+    assert torch.equal(quant.qlinear(many, w, "bfloat16")[297:308], full)
 
 
 def test_unknown_activations_are_refused():

@@ -64,8 +64,10 @@ class BlockLinear:
     """A weight kept twice: in the checkpoint's quantized blocks, which decode steps read (a
     quarter of the bytes: those steps are bound by bytes), and as the fp32 weights those
     blocks stand for, packed, which prefill multiplies (compute bound: oneDNN's GEMM is about
-    twice as fast as the block kernel there). Both give the same weights, so prefill's
-    results equal the dense engine's; a decode row's summation order differs from it."""
+    twice as fast as the fp32 block kernel there). Both give the same weights, so prefill's
+    results equal the dense engine's; a decode row's summation order differs from it.
+    With bf16 activations only the blocks are kept: the bf16 block kernel serves every row
+    count (dense None)."""
 
     blocks: QuantLinear
     dense: Linear | None  # None with bf16 activations: the blocks serve every row count

@@ -8,10 +8,9 @@ Two entry points, one per phase:
 
 Weights are fused per layer (QKV in one matrix, gate+up in one) so each phase makes few,
 large matrix products. A quantized checkpoint's layers are served in its own blocks by
-default (engine/quant.py: a quarter of the bytes per decode step); dense weights are
-pre-packed once at load into oneDNN's blocked layout: on 2 cores its fp32 linear reads the
-weights 1.5-3x faster than torch's default (MKL) path at 1-32 rows, the decode batch sizes,
-and is no slower for prefill (benchmarks/engine_bench.py). Else plain `F.linear`.
+default (engine/quant.py: a quarter of the bytes per decode step); dense weights are packed
+at load into oneDNN's layout (1.5-3x torch's MKL path at decode's 1-32 rows, no slower for
+prefill: benchmarks/engine_bench.py), else plain `F.linear`.
 
 The same code runs on a CUDA device (`device="cuda"`): weights, RoPE tables and the KV cache
 live there and linear layers are plain `F.linear` (cuBLAS); the engine samples on the CPU
@@ -176,11 +175,13 @@ class Llama:
         self.embed = w["model.embed_tokens.weight"]  # [V, dim]
         head_name = "model.embed_tokens.weight" if args.tie_embeddings else "lm_head.weight"
         # fp32 (bf16 logits from a bf16 head flipped too many argmaxes), or the file's own
-        # blocks: in bf16 arithmetic too with bf16 activations (perplexity +0.07%, 7 ms less)
-        head, hb = pack(w[head_name], onednn=self.onednn), self.blocks.get(head_name)
-        self.lm_head: Linear | BlockLinear = head if hb is None else BlockLinear(hb, head)
+        # blocks: in bf16 arithmetic too with bf16 activations (perplexity +0.07%, 7 ms less;
+        hb = self.blocks.get(head_name)  # no fp32 copy packed for it then)
         if hb is not None and self.bf16_blocks:
-            self.lm_head = BlockLinear(hb, None, "bfloat16")
+            self.lm_head: Linear | BlockLinear = BlockLinear(hb, None, "bfloat16")
+        else:
+            head = pack(w[head_name], onednn=self.onednn)
+            self.lm_head = head if hb is None else BlockLinear(hb, head)
         self.norm = w["model.norm.weight"]
         self.layers = [self._fuse(w, i, dtype) for i in range(args.n_layers)]
         # what the matmuls read: "float32", "bfloat16", or the blocks' formats ("q4_1+q8_0")
@@ -188,7 +189,6 @@ class Llama:
         formats = sorted({lin.fmt for lin in [*used, self.lm_head] if isinstance(lin, BlockLinear)})
         self.weights = "+".join(formats) or self.compute_dtype
         self.fused = fused_decode.supported(self)
-        # int8: blocks only; bf16: whenever blocks were built for it
         self.activations = activations if self.fused or self.bf16_blocks else "float32"
         if activations != self.activations:
             log.warning("activations %s need quantized blocks served: decoding fp32", activations)

@@ -22,11 +22,13 @@
  * One arithmetic, two implementations: the portable one below spells out what the
  * instruction does (products exact in fp32, then two adds, each rounded to nearest even,
  * the odd element of a pair first; denormal inputs and results flushed to zero, as the
- * instruction does), and tests/unit/test_qbf16.py holds the vector path to it bit for bit.
+ * instruction does), and tests/unit/test_qbf16_kernels.py holds the vector path to it bit
+ * for bit.
  * The portable path is what a CPU without AVX512-BF16 would run (slowly: the engine refuses
  * the setting there). Batch invariant by construction, as qmatmul.c: every (row, column) is
  * one fixed sequence of operations whatever the other rows are, computed by one thread.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -90,11 +92,13 @@ static void expand_group(const uint8_t *qs, float d, float m, int fmt, uint16_t 
     }
 }
 
-/* lane i += x[2i+1] w[2i+1], then += x[2i] w[2i]: vdpbf16ps's order and rounding */
+/* lane i += x[2i+1] w[2i+1], then += x[2i] w[2i]: vdpbf16ps's order, each step an fma
+ * (Intel's pseudocode; the product of two bf16 is exact in fp32 unless it leaves fp32's
+ * normal range, so this is also a multiply and an add) with denormal results flushed */
 static inline void dot_group(float acc[16], const uint16_t *x, const uint16_t *w) {
     for (int i = 0; i < 16; i++) {
-        float a = flush(acc[i] + bf(x[2 * i + 1]) * bf(w[2 * i + 1]));
-        acc[i] = flush(a + bf(x[2 * i]) * bf(w[2 * i]));
+        float a = flush(fmaf(bf(x[2 * i + 1]), bf(w[2 * i + 1]), acc[i]));
+        acc[i] = flush(fmaf(bf(x[2 * i]), bf(w[2 * i]), a));
     }
 }
 
@@ -105,14 +109,20 @@ static inline float fold16(const float a[16]) { /* the vector fold's order */
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-static void portable(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t *qs,
-                     const float *d, const float *mn, int fmt, int64_t n, float *y,
-                     int threads) {
+/* Returns -1 where a column's scratch cannot be allocated, else 0. */
+static int portable(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t *qs,
+                    const float *d, const float *mn, int fmt, int64_t n, float *y,
+                    int threads) {
     int64_t ng = k / GROUP, width = fmt == Q8_0 ? GROUP : 16;
+    int failed = 0;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < n; c++) {
         uint16_t *w = malloc((size_t)k * sizeof(uint16_t));
-        if (!w) continue; /* (the caller checked it can allocate; y keeps its contents) */
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
         for (int64_t g = 0; g < ng; g++)
             expand_group(qs + (c * ng + g) * width, d[c * ng + g], mn ? mn[c * ng + g] : 0.0f,
                          fmt, w + g * GROUP);
@@ -123,6 +133,7 @@ static void portable(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_
         }
         free(w);
     }
+    return failed ? -1 : 0;
 }
 
 #ifdef QBF16_SIMD
@@ -164,7 +175,7 @@ static void expand_cols(const uint8_t *qs, const float *d, const float *mn, int 
     int zero = fmt == Q4_0 ? 8 : 0;
     for (int64_t i = 0; i < nc * ng; i++) {
         __m512i w = fmt == Q8_0 ? q8_group((const int8_t *)qs + i * width, d[i])
-                                : q4_group(qs + i * width, d[i], mn[i], zero);
+                                : q4_group(qs + i * width, d[i], mn ? mn[i] : 0.0f, zero);
         _mm512_storeu_si512(out + i * GROUP, w);
     }
 }
@@ -217,7 +228,7 @@ static void vector(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t 
 #pragma omp for schedule(static)
             for (int64_t c = 0; c < n; c += CT) {
                 int64_t nc = n - c < CT ? n - c : CT;
-                expand_cols(qs + c * bytes, d + c * ng, mn ? mn + c * ng : d, fmt, ng, nc, buf);
+                expand_cols(qs + c * bytes, d + c * ng, mn ? mn + c * ng : NULL, fmt, ng, nc, buf);
                 for (int64_t r0 = b0; r0 < b1; r0 += RT) {
                     int64_t nr = b1 - r0 < RT ? b1 - r0 : RT;
                     tile(xb + r0 * k, k, nr, buf, nc, y + r0 * n + c, n);
@@ -244,10 +255,13 @@ static void round_rows(const float *x, int64_t count, uint16_t *xb, int simd) {
 /* x [M, K] fp32; W: qs [N, K/32, 16] uint8 (fmt 0 Q4_0, 1 Q4_1) or [N, K/32, 32] int8
  * (fmt 2 Q8_0), d and mn [N, K/32] fp32 (mn NULL: none); y [M, N] fp32. `portable_only`:
  * the portable path even where the vector one runs (the tests' reference). Returns -1 where
- * the scratch for the rounded rows cannot be allocated, else 0. */
+ * a scratch cannot be allocated, -2 for a shape it cannot take (k not a multiple of 32),
+ * else 0. */
 int disagg_qbf16_matmul(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
                         const float *d, const float *mn, int fmt, int64_t n, float *y,
                         int threads, int portable_only) {
+    if (k < GROUP || k % GROUP) return -2; /* (quant.qlinear's weights cannot have these) */
+    if (m_rows < 1) return 0;
     uint16_t *xb = malloc((size_t)(m_rows * k) * sizeof(uint16_t) + 64);
     if (!xb) return -1;
     int simd = disagg_qbf16_simd() && !portable_only;
@@ -259,7 +273,7 @@ int disagg_qbf16_matmul(const float *x, int64_t m_rows, int64_t k, const uint8_t
         return 0;
     }
 #endif
-    portable(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
+    int failed = portable(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
     free(xb);
-    return 0;
+    return failed;
 }

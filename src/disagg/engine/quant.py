@@ -271,6 +271,8 @@ def qlinear(
             failed = lib.disagg_qdot_matmul(*args, w.n, y.data_ptr(), threads)
         else:
             failed = lib.disagg_qbf16_matmul(*args, w.n, y.data_ptr(), threads, int(portable))
+        if failed == -2:
+            raise ValueError(f"qlinear: {activations} blocks need k a multiple of {GROUP}")
         if failed:
             raise MemoryError(f"qlinear: no scratch for {rows} x {w.k} {activations} activations")
         return y
