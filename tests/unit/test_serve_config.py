@@ -256,3 +256,15 @@ def test_settings_come_in_groups_and_a_toml_table_per_group(tmp_path):
     toml.write_text("[gateway]\nprefill_instances = 3\n")
     with pytest.raises(ConfigError, match="not in group"):
         ServeSettings.load(toml, env={})
+
+
+def test_bf16_decode_activations_are_refused_before_triton_starts_on_a_cpu_without_them():
+    from disagg.serve.__main__ import preflight
+
+    bf16 = ServeSettings(decode_activations="bfloat16")
+    with pytest.raises(ConfigError, match="AVX512-BF16.*use float32 or int8"):
+        preflight(bf16, ["fpu", "avx2", "fma"])
+    preflight(bf16, ["avx2", "avx512f", "avx512_bf16"])  # has them
+    preflight(ServeSettings(decode_activations="bfloat16", role="prefill"), ["avx2"])  # no decode
+    preflight(ServeSettings(decode_activations="int8"), ["avx2"])
+    preflight(bf16, None)  # flags unknown: the pool tells at load

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = replace(settings, role=a.role)
         if settings.role in ("prefill", "decode"):  # a pool server: clients go to the frontend
             settings = replace(settings, gateway_enabled=False)
+        preflight(settings, _cpu_flags())
         server = TritonServer(settings)
         if not settings.is_loopback:
             print(
@@ -160,16 +161,39 @@ def main(argv: list[str] | None = None) -> int:
     return supervise(settings, server, gateway)
 
 
+def _cpu_flags() -> list[str] | None:
+    """The CPU's feature flags, read without torch (None where /proc/cpuinfo is not there)."""
+    try:
+        return Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return None
+
+
+def preflight(settings: ServeSettings, flags: list[str] | None) -> None:
+    """What the pools would refuse only once Triton loads them, refused before it starts."""
+    if (
+        settings.decode_activations == "bfloat16"
+        and settings.engine_backend == "pytorch"
+        and settings.device == "cpu"
+        and settings.role != "prefill"
+        and flags is not None
+        and "avx512_bf16" not in flags
+    ):
+        raise ConfigError(
+            "decode_activations bfloat16 needs a CPU with AVX512-BF16 (vdpbf16ps); this one "
+            "has none: use float32 or int8"
+        )
+
+
 def _dtype(settings: ServeSettings) -> str:
     if settings.compute_dtype != "auto" or settings.engine_backend != "pytorch":
         return settings.compute_dtype
     if settings.device != "cpu":
         return "auto"
-    try:  # what the models decide with torch, read from the CPU flags without it
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    flags = _cpu_flags()  # what the models decide with torch, read without it
+    if flags is None:
         return "auto"
-    native = any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+    native = any(f in flags for f in ("avx512_bf16", "amx_bf16"))
     return "auto: bfloat16" if native else "auto: float32"
 
 
