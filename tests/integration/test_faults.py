@@ -112,6 +112,23 @@ class Outcomes:
         return {k: kinds.count(k) for k in ("completed", "error", "unclear", "hung")}
 
 
+# the gateway's streamed requests, set once text of each reached its client: until then the
+# gateway may try it again after a fault (nothing was sent), after, it must end it
+STREAMED = ("gateway-sse", "gateway-sse-2")
+started = {name: threading.Event() for name in STREAMED}
+
+
+def _read(stream, first: threading.Event) -> list:
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        choice = chunk.choices[0] if chunk.choices else None
+        delta = getattr(choice, "delta", None)
+        if getattr(choice, "text", None) or getattr(delta, "content", None):
+            first.set()
+    return chunks
+
+
 def _long_requests(server, gateway) -> dict:
     """Eight long requests, two through each door: Triton's ensemble and router over HTTP
     and gRPC, and the gateway's chat and completions, streamed and not."""
@@ -125,10 +142,13 @@ def _long_requests(server, gateway) -> dict:
         "router-http-stream": lambda: http.generate("router", LONG, stream=True),
         "router-grpc-stream": lambda: grpcs[0].generate("router", LONG),
         "ensemble-grpc-stream": lambda: grpcs[1].generate("ensemble", LONG),
-        "gateway-sse": lambda: list(oa.chat.completions.create(**chat, **extra, stream=True)),
-        "gateway-sse-2": lambda: list(
-            oa.completions.create(model=MODEL, prompt=LONG[C.TEXT_INPUT], stream=True, **extra)
-        ),  # fmt: skip
+        "gateway-sse": lambda: _read(
+            oa.chat.completions.create(**chat, **extra, stream=True), started["gateway-sse"]
+        ),
+        "gateway-sse-2": lambda: _read(
+            oa.completions.create(model=MODEL, prompt=LONG[C.TEXT_INPUT], stream=True, **extra),
+            started["gateway-sse-2"],
+        ),
         "gateway-json": lambda: oa.chat.completions.create(**chat, **extra),
         "gateway-json-2": lambda: oa.completions.create(
             model=MODEL, prompt=LONG[C.TEXT_INPUT], **extra
@@ -150,10 +170,18 @@ def _serves_again(server, timeout_s: float = 120) -> None:
 
 
 def _kill_under_load(server, calls: dict, victim: int) -> tuple[Outcomes, float]:
-    """Start `calls`, kill `victim` once each is decoding; (what each got, when it died)."""
+    """Start `calls`, kill `victim` once each is decoding and each stream sent text; (what
+    each got, when it died)."""
     out = Outcomes()
+    for event in started.values():
+        event.clear()
     threads = [out.run(name, call) for name, call in calls.items()]
     metric_becomes(server, "disagg_decode_active_sequences", float(len(calls)), timeout_s=60)
+    # a stream whose first text has not reached its client yet may be tried again (CI once
+    # saw one complete): kill only once each has sent text, so each must end with an error
+    for name in STREAMED:
+        if name in calls:
+            assert started[name].wait(60), f"{name} sent no text in 60 s"
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     for t in threads:
