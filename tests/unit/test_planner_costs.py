@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers.profiles import simple_profile
 
+from disagg.cpuinfo import read_cpuinfo
 from disagg.errors import ConfigError
 from disagg.planner.costs import (
     PiecewiseLinear,
@@ -134,3 +135,10 @@ def test_cpu_info_reads_the_model_and_the_flags_that_pick_kernels():
     model, flags = cpu_info(text)
     assert model == "Intel Xeon Platinum"
     assert flags == ["avx2", "fma", "avx512f", "amx_bf16"]
+
+
+def test_one_cpuinfo_reader_takes_the_first_cpu_and_arm_features():
+    two = "model name: A\nflags: avx2 fma\n\nmodel name: B\nflags: avx512_bf16\n"
+    assert read_cpuinfo(two) == ("A", ["avx2", "fma"])
+    assert read_cpuinfo("Features\t: fp asimd bf16\n") == ("", ["fp", "asimd", "bf16"])
+    assert read_cpuinfo("processor: 0\n") == ("", [])

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.engine.quant import DIRECT_ROWS, QuantLinear, cpu_flags, qlinear
+from disagg.cpuinfo import cpu_flags
+from disagg.engine.quant import DIRECT_ROWS, QuantLinear, qlinear
 from disagg.errors import ConfigError
 
 AMX_CAP = "AVX512_CORE_BF16"

@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from disagg.cpuinfo import NO_BF16, cpu_flags
 from disagg.engine.config import ACTIVATIONS, QUANT_WEIGHTS_FILE
 from disagg.errors import ConfigError
 
@@ -68,16 +69,6 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "disagg", "kernels"
     )
     return Path(base)
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 # -ffp-contract=off: no fma the source does not write (the expansion matches gguf-py's)
@@ -193,10 +184,7 @@ def bf16_simd() -> bool:
 def require_bf16() -> bool:
     """True where bf16 block products can serve, else a ConfigError saying why not."""
     if not bf16_simd():
-        raise ConfigError(
-            "bfloat16 activations need a CPU with AVX512-BF16 (vdpbf16ps); this one has "
-            "none: use float32 or int8"
-        )
+        raise ConfigError(f"bfloat16 activations {NO_BF16}")
     return True
 
 

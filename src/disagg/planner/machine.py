@@ -9,25 +9,18 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from disagg.cpuinfo import read_cpuinfo
+
 # the instruction sets torch's CPU kernels choose by (fp32 / bf16 / int8 matmuls)
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
 
 
 def cpu_info(text: str | None = None) -> tuple[str, list[str]]:
     """(CPU model name, FLAGS it has) from /proc/cpuinfo (`text` for tests)."""
-    if text is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return platform.processor() or platform.machine(), []
-    model, flags = "", set[str]()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not model:
-            model = value.strip()
-        elif key in ("flags", "Features") and not flags:
-            flags = set(value.split())
+    info = read_cpuinfo(text)
+    if info is None:
+        return platform.processor() or platform.machine(), []
+    model, flags = info
     return model or platform.machine(), [f for f in FLAGS if f in flags]
 
 

@@ -13,10 +13,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from types import FrameType
 
 from disagg.contracts import ADMIN_HEADER, ADMIN_KEY_ENV
+from disagg.cpuinfo import NO_BF16, read_cpuinfo
 from disagg.engine.config import QUANT_WEIGHTS_FILE
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
@@ -163,10 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cpu_flags() -> list[str] | None:
     """The CPU's feature flags, read without torch (None where /proc/cpuinfo is not there)."""
-    try:
-        return Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return None
+    info = read_cpuinfo()
+    return None if info is None else info[1]
 
 
 def preflight(settings: ServeSettings, flags: list[str] | None) -> None:
@@ -179,10 +177,7 @@ def preflight(settings: ServeSettings, flags: list[str] | None) -> None:
         and flags is not None
         and "avx512_bf16" not in flags
     ):
-        raise ConfigError(
-            "decode_activations bfloat16 needs a CPU with AVX512-BF16 (vdpbf16ps); this one "
-            "has none: use float32 or int8"
-        )
+        raise ConfigError(f"decode_activations bfloat16 {NO_BF16}")
 
 
 def _dtype(settings: ServeSettings) -> str:
