@@ -38,6 +38,8 @@ class PrefillParams(TrtllmPrefillParams):
     engine_dir: str
     compute_dtype: str
     weights: str
+    # as decode's (the setting): a handed-off prompt's K/V computed as decode computes its own
+    decode_activations: str
     device: str
     max_tokens_limit: int
     prefill_torch_threads: int

@@ -91,13 +91,13 @@ class ServeSettings:
     # Q8_0) where their CPU kernels build (engine/quant.py: a C compiler), else dense weights
     # at compute_dtype; "float32" / "bfloat16": dense at that precision (compute_dtype unused)
     weights: str = "auto"
-    # what decode's block products multiply: "float32" activations (the fp32 engine's
+    # what decode's block products multiply, and the prefill pool's (a handed-off prompt's
+    # K/V computed as decode computes its own): "float32" activations (the fp32 engine's
     # results up to summation order), or "int8": each row quantized per 32 values, as
     # llama.cpp does (~1.5x faster decode here; perplexity +0.4%, some greedy replies part
     # at near ties: docs/benchmarks.md), or "bfloat16": rows and weights rounded to bf16,
     # products summed in fp32 (engine/qbf16.c; CPUs with AVX512-BF16 only: 1.5-2x faster
-    # products, perplexity +0.1%), the prompt chunks decode prefills itself included.
-    # Only with quantized weights served.
+    # products, perplexity +0.1%), prompts at every length included. Quantized weights only.
     decode_activations: str = "float32"
     # where disagg's engine (engine_backend pytorch) runs: "cpu", or "cuda" / "cuda:N"
     device: str = "cpu"

@@ -14,6 +14,7 @@ from disagg.bench.quality import PROMPTS, TEXT, first_difference, greedy, perple
 from disagg.engine import quant
 from disagg.engine.config import EngineConfig
 from disagg.engine.kernels import BlockLinear
+from disagg.engine.kv_reuse import kv_reuse_for
 from disagg.engine.llm_engine import PrefillEngine
 from disagg.engine.model import Llama
 from disagg.engine.sequence import SamplingParams
@@ -92,6 +93,16 @@ def test_a_cached_prefix_hands_off_the_kv_a_cold_prompt_gets(llm, bf16):
     assert b.num_reused_tokens > 64 and a.num_reused_tokens == 0  # the rest: < 64 rows
     assert a.first_token == b.first_token
     assert abs(a.kv.k - b.kv.k).max() < 1e-3 and abs(a.kv.v - b.kv.v).max() < 1e-3
+
+
+def test_its_prefix_blocks_are_named_apart_from_fp32_activations_ones(engine_dir, bf16):
+    """Both pools compute so (the prefill pool takes decode_activations too), and their
+    caches' chains start from a root of their own: a block computed with fp32 activations is
+    never taken for one computed in bf16, by an engine or by a frontend's replica choice."""
+    config = EngineConfig(max_model_len=1024, prefix_cache_tokens=1024)
+    fp32 = kv_reuse_for(Llama.load(engine_dir, weights="auto"), config)
+    ours = kv_reuse_for(bf16, config)
+    assert fp32 is not None and ours is not None and fp32.root != ours.root
 
 
 def test_a_cpu_without_avx512_bf16_gets_a_clear_error(engine_dir, monkeypatch):

@@ -265,6 +265,7 @@ def test_bf16_decode_activations_are_refused_before_triton_starts_on_a_cpu_witho
     with pytest.raises(ConfigError, match="AVX512-BF16.*use float32 or int8"):
         preflight(bf16, ["fpu", "avx2", "fma"])
     preflight(bf16, ["avx2", "avx512f", "avx512_bf16"])  # has them
-    preflight(ServeSettings(decode_activations="bfloat16", role="prefill"), ["avx2"])  # no decode
+    with pytest.raises(ConfigError, match="AVX512-BF16"):  # the prefill pool computes so too
+        preflight(ServeSettings(decode_activations="bfloat16", role="prefill"), ["avx2"])
     preflight(ServeSettings(decode_activations="int8"), ["avx2"])
     preflight(bf16, None)  # flags unknown: the pool tells at load

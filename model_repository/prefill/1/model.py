@@ -36,7 +36,7 @@ class TritonPythonModel:
         pb.set_nice(p.prefill_nice)  # before torch makes its threads (they inherit it)
         pb.set_torch_threads(p.prefill_torch_threads)
         self.engine = PrefillEngine(
-            Llama.load(p.engine_dir, p.compute_dtype, p.device, p.weights),
+            Llama.load(p.engine_dir, p.compute_dtype, p.device, p.weights, p.decode_activations),
             p.engine_config(),
             reuse_kv_buffers=True,
             eos_token_ids=eos_token_ids(p.engine_dir),  # for min_tokens

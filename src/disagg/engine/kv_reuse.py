@@ -196,7 +196,9 @@ def kv_reuse_for(model: Llama, config: EngineConfig) -> KVReuse | None:
     """The prefix cache `config` asks for (None: off)."""
     if config.num_prefix_cache_blocks == 0:
         return None
+    # K/V differ with what the matmuls read and how they multiply ("q4_1+q8_0/bfloat16")
+    acts = "" if model.activations == "float32" else "/" + model.activations
     return KVReuse(
-        model.args, model.weights, config.num_prefix_cache_blocks, config.block_size,
+        model.args, model.weights + acts, config.num_prefix_cache_blocks, config.block_size,
         model.device,
     )  # fmt: skip

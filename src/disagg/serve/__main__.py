@@ -173,7 +173,6 @@ def preflight(settings: ServeSettings, flags: list[str] | None) -> None:
         settings.decode_activations == "bfloat16"
         and settings.engine_backend == "pytorch"
         and settings.device == "cpu"
-        and settings.role != "prefill"
         and flags is not None
         and "avx512_bf16" not in flags
     ):
