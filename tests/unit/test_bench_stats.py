@@ -12,9 +12,11 @@ from disagg.bench.stats import (
     SLO,
     Dist,
     Timeline,
+    bootstrap_sd,
     calibrate_slo,
     goodput_rate,
     measured,
+    rerun_needs,
     summarize,
 )
 
@@ -208,3 +210,16 @@ def test_slo_overrides_and_the_detail_table():
     table = detail_table(res)
     assert "| m | 1 | a | 4 | 400/400/400/400 | 50/50/50/50 |" in table
     assert summary_json(res, slo)["modes"]["m"]["by_rate"]["1.0"]["a"]["slo_attainment"] == 1.0
+
+
+def test_a_percentiles_bootstrap_spread_and_the_run_size_that_keeps_a_rerun_within_5_points():
+    rng = np.random.default_rng(0)
+    assert bootstrap_sd(np.full(50, 2.0), 90, rng) == 0.0  # no spread in the values: none
+    assert np.isnan(bootstrap_sd(np.array([1.0]), 50, rng))
+    wide = np.random.default_rng(1).exponential(1.0, 400)
+    small, large = bootstrap_sd(wide[:50], 90, rng), bootstrap_sd(wide, 90, rng)
+    assert 1.5 < small / large < 4.5  # ~ sqrt(400 / 50) = 2.8: spread goes as 1/sqrt(n)
+    # one run's 10% relative spread at n = 56: a rerun within 5 points at 90% needs
+    # 56 * (0.10 / (0.05 / (1.645 * sqrt(2))))^2 = 56 * 21.6 = 1,213 values
+    assert rerun_needs(56, 0.10, 5.0) == 1213
+    assert rerun_needs(56, 0.01, 5.0) == 13 and rerun_needs(56, float("nan"), 5.0) == 0

@@ -13,10 +13,12 @@ meeting it; goodput is the highest offered rate whose attainment is >= the targe
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 
 @dataclass
@@ -159,3 +161,25 @@ def calibrate_slo(
     ttft = float(np.median([t.ttft for t in ok]))
     tpot = float(np.median(tpots)) if tpots else 0.1
     return SLO(ttft_factor * ttft, tpot_factor * tpot)
+
+
+def bootstrap_sd(x: npt.NDArray[np.float64], q: float, rng: np.random.Generator,
+                 draws: int = 2000) -> float:  # fmt: skip
+    """The q-th percentile's standard deviation over resamples of `x`, relative to the
+    percentile itself (a fraction; nan with fewer than two values). Treats the values as
+    independent, which requests under load are not: a floor, not the whole spread."""
+    if len(x) < 2:
+        return math.nan
+    picks = rng.integers(0, len(x), size=(draws, len(x)))
+    est = np.percentile(x[picks], q, axis=1)
+    return float(est.std() / np.percentile(x, q))
+
+
+def rerun_needs(n: int, sd: float, points: float) -> int:
+    """How many values per run keep two runs' percentiles within `points` percent of each
+    other with 90% probability, if one run of `n` has relative spread `sd`: their difference
+    spreads sqrt(2) times as much, and a percentile's spread goes as 1/sqrt(n)."""
+    if math.isnan(sd):
+        return 0
+    limit = points / 100 / (1.645 * math.sqrt(2))
+    return max(1, math.ceil(n * (sd / limit) ** 2))
