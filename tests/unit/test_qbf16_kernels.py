@@ -1,7 +1,8 @@
 """The bf16 block kernels (engine/qbf16.c through quant.qlinear(activations="bfloat16")) from
 plain numbers: the portable path equal bit for bit to the arithmetic written out in numpy,
 the AVX512-BF16 path equal bit for bit to the portable one (where the CPU has it), close to
-fp32, batch invariant. No weights, no model."""
+fp32, batch invariant; prompt rows on AMX (where the CPU has it) within fp32 summation error
+of the exact sum and batch invariant. No weights, no model."""
 
 from __future__ import annotations
 
@@ -89,6 +90,34 @@ def test_rows_get_the_same_bits_alone_and_in_any_batch(fmt):
     assert torch.equal(quant.qlinear(x[6:7], w, "bfloat16"), full[6:7])
     many = torch.cat([x] * 30)  # 330 rows: rows 297-307 (third block of 128) as alone
     assert torch.equal(quant.qlinear(many, w, "bfloat16")[297:308], full)
+
+
+def exact(x: torch.Tensor, w: quant.QuantLinear) -> tuple[np.ndarray, np.ndarray]:
+    """The bf16 products summed exactly (float64), and the sum of their magnitudes."""
+    xb = to_bf16(x.numpy()).astype(np.float64)
+    wb = to_bf16(quant.dequantize(w).numpy()).astype(np.float64)
+    return xb @ wb.T, np.abs(xb) @ np.abs(wb).T
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_prompt_rows_on_tiles_are_within_fp32_summation_error_and_batch_invariant(fmt):
+    """Prompt rows (`tiles`): AMX where the CPU has them. Their summation order is the tile unit's
+    own (no bit-for-bit reference), so: within the error bound of any fp32 summation order of
+    the same bf16 products, and every row's bits the same in any batch (partial tiles of 32
+    rows, a partial panel of 75 columns, a second block of 256 rows). Without AMX the flag
+    changes nothing, bit for bit."""
+    k = 576
+    w, _ = blocks(fmt, 75, k, seed=5)
+    x = rows(300, k, seed=5)
+    got = quant.qlinear(x, w, "bfloat16", tiles=True)
+    if not quant.bf16_amx():
+        assert torch.equal(got, quant.qlinear(x, w, "bfloat16"))
+        return
+    ref, magnitude = exact(x, w)
+    assert (np.abs(got.numpy() - ref) <= k * 2.0**-24 * magnitude + 1e-30).all()
+    for lo, hi in ((0, 65), (17, 99), (5, 6), (200, 300), (255, 258)):
+        alone = quant.qlinear(x[lo:hi], w, "bfloat16", tiles=True)
+        assert torch.equal(alone, got[lo:hi]), (lo, hi)
 
 
 def test_unknown_activations_are_refused():

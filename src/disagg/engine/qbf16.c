@@ -26,7 +26,15 @@
  * for bit.
  * The portable path is what a CPU without AVX512-BF16 would run (slowly: the engine refuses
  * the setting there). Batch invariant by construction, as qmatmul.c: every (row, column) is
- * one fixed sequence of operations whatever the other rows are, computed by one thread.
+ * one fixed sequence of operations whatever the other rows are, computed by one thread. *
+ * Prompt rows (`flags` TILES, the caller's choice: kernels.linear sets it, decode's
+ * fused_decode.py does not) run on AMX tiles where the CPU has them (tdpbf16ps: 16 rows x 32
+ * bf16 against 16 pairs x 16 columns per instruction; from 64 rows up 2.5-6x the lanes'
+ * products here). Same bf16 factors; the tile unit sums each instruction's 32 products in an
+ * order of its own that Intel does not spell out, so that path has no bit-for-bit
+ * reference: the tests hold it within fp32 summation error of the exact sum of the bf16
+ * products, and batch invariant (each row of a tile is accumulated apart), so a prompt's
+ * K/V are the same in any chunking, cached or cold. Without AMX, TILES changes nothing.
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,6 +44,11 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define QBF16_SIMD 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QBF16_AMX 1
+#endif
 #endif
 
 #define GROUP 32
@@ -47,6 +60,19 @@ enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 }; /* quant.FORMATS' order */
 int disagg_qbf16_simd(void) {
 #ifdef QBF16_SIMD
     return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether prompt rows run on AMX: built for it, and the kernel lets this process use the tile
+ * data (Linux asks each process to request it once: arch_prctl ARCH_REQ_XCOMP_PERM). */
+int disagg_qbf16_amx(void) {
+#ifdef QBF16_AMX
+    static int ready = -1; /* (two threads asking at once both get the same answer) */
+    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                   18 /* XFEATURE_XTILEDATA */) == 0;
+    return ready;
 #else
     return 0;
 #endif
@@ -239,6 +265,129 @@ static void vector(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t 
 }
 #endif
 
+#ifdef QBF16_AMX
+/* A panel: AP columns, p [k/2][AP] holding each column's pair j as one 32-bit word (its bf16
+ * weights j, j+1): the layout tdpbf16ps reads its second operand in, 16 pairs a tile. */
+#define AP 32
+#define AR 32  /* rows of a register block: 2 x 2 accumulator tiles */
+#define AB 256 /* rows of a block: its panels made once for them */
+
+INLINE void transpose16(__m512i r[16]) { /* 16 x 16 32-bit words, in registers */
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int b = 0; b < 16; b += 4) {
+        u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
+        u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+        u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
+        u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+    }
+    for (int e = 0; e < 4; e++) { /* u[4b + e], 128-bit lane L: rows 4b..4b+3, column 4L + e */
+        __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
+        __m512i v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+        __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+        __m512i v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* The panel of nc <= AP columns straight from their blocks: for each 16 columns, group g's
+ * 16 pairs of each column (one expanded group) transposed into 16 rows of the panel. */
+static void amx_panel(const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t ng,
+                      int64_t nc, uint32_t *p) {
+    int64_t width = fmt == Q8_0 ? GROUP : 16;
+    int zero = fmt == Q4_0 ? 8 : 0;
+    for (int h = 0; h < AP; h += 16)
+        for (int64_t g = 0; g < ng; g++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) {
+                int64_t at = (h + i) * ng + g;
+                r[i] = h + i >= nc ? _mm512_setzero_si512()
+                       : fmt == Q8_0
+                           ? q8_group((const int8_t *)qs + at * width, d[at])
+                           : q4_group(qs + at * width, d[at], mn ? mn[at] : 0.0f, zero);
+            }
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_store_si512(p + (16 * g + j) * AP + h, r[j]);
+        }
+}
+
+/* AR rows of xb (zero rows past the end) against a panel: tiles 0-3 hold the sums */
+INLINE void amx_block(const uint16_t *xb, int64_t k, const uint32_t *p) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < k / GROUP; s++) {
+        _tile_loadd(4, xb + GROUP * s, k * 2);
+        _tile_loadd(5, xb + 16 * k + GROUP * s, k * 2);
+        _tile_loadd(6, p + 16 * s * AP, AP * 4);
+        _tile_loadd(7, p + 16 * s * AP + 16, AP * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Rows in blocks of AB; in a block, panels split among the threads, each multiplied with
+ * every AR rows of the block. xb holds whole AR-row blocks (zero rows at the end). Returns -1
+ * where a thread's panel cannot be allocated, else 0. */
+static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t *qs,
+                    const float *d, const float *mn, int fmt, int64_t n, float *y, int threads) {
+    int64_t ng = k / GROUP, bytes = ng * (fmt == Q8_0 ? GROUP : 16);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        tile_config cfg = {.palette = 1};
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        _tile_loadconfig(&cfg);
+        uint32_t *p = aligned_alloc(64, (size_t)(AP * k / 2) * sizeof(uint32_t));
+        float out[AR * AP] __attribute__((aligned(64)));
+        if (!p) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        for (int64_t b0 = 0; !failed && b0 < m_rows; b0 += AB) {
+            int64_t b1 = m_rows - b0 < AB ? m_rows : b0 + AB;
+#pragma omp for schedule(static)
+            for (int64_t c = 0; c < n; c += AP) {
+                int64_t nc = n - c < AP ? n - c : AP;
+                amx_panel(qs + c * bytes, d + c * ng, mn ? mn + c * ng : NULL, fmt, ng, nc, p);
+                for (int64_t r0 = b0; r0 < b1; r0 += AR) {
+                    int64_t nr = b1 - r0 < AR ? b1 - r0 : AR;
+                    amx_block(xb + r0 * k, k, p);
+                    int whole = nr == AR && nc == AP;
+                    float *dst = whole ? y + r0 * n + c : out;
+                    int64_t ld = whole ? n : AP;
+                    _tile_stored(0, dst, ld * 4);
+                    _tile_stored(1, dst + 16, ld * 4);
+                    _tile_stored(2, dst + 16 * ld, ld * 4);
+                    _tile_stored(3, dst + 16 * ld + 16, ld * 4);
+                    for (int64_t r = 0; !whole && r < nr; r++)
+                        memcpy(y + (r0 + r) * n + c, out + r * AP, (size_t)nc * sizeof(float));
+                }
+            }
+        }
+        _tile_release();
+        free(p);
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
 /* x [M, K] fp32 -> bf16 [M, K] (K a multiple of 32) */
 static void round_rows(const float *x, int64_t count, uint16_t *xb, int simd) {
     int64_t i = 0;
@@ -252,20 +401,33 @@ static void round_rows(const float *x, int64_t count, uint16_t *xb, int simd) {
     for (; i < count; i++) xb[i] = to_bf16(x[i]);
 }
 
+#define PORTABLE_ONLY 1 /* the portable path even where the vector one runs (the tests') */
+#define TILES 2         /* prompt rows: AMX where the CPU has it (see the top) */
+
 /* x [M, K] fp32; W: qs [N, K/32, 16] uint8 (fmt 0 Q4_0, 1 Q4_1) or [N, K/32, 32] int8
- * (fmt 2 Q8_0), d and mn [N, K/32] fp32 (mn NULL: none); y [M, N] fp32. `portable_only`:
- * the portable path even where the vector one runs (the tests' reference). Returns -1 where
- * a scratch cannot be allocated, -2 for a shape it cannot take (k not a multiple of 32),
- * else 0. */
+ * (fmt 2 Q8_0), d and mn [N, K/32] fp32 (mn NULL: none); y [M, N] fp32; `flags` the bits
+ * above. Returns -1 where a scratch cannot be allocated, -2 for a shape it cannot take (k
+ * not a multiple of 32), else 0. */
 int disagg_qbf16_matmul(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
                         const float *d, const float *mn, int fmt, int64_t n, float *y,
-                        int threads, int portable_only) {
+                        int threads, int flags) {
     if (k < GROUP || k % GROUP) return -2; /* (quant.qlinear's weights cannot have these) */
     if (m_rows < 1) return 0;
-    uint16_t *xb = malloc((size_t)(m_rows * k) * sizeof(uint16_t) + 64);
+    int simd = disagg_qbf16_simd() && !(flags & PORTABLE_ONLY);
+    int amx = simd && (flags & TILES) && disagg_qbf16_amx();
+    int64_t held = amx ? (m_rows + 31) / 32 * 32 : m_rows; /* AMX: whole blocks of 32 rows */
+    uint16_t *xb = malloc((size_t)(held * k) * sizeof(uint16_t) + 64);
     if (!xb) return -1;
-    int simd = disagg_qbf16_simd() && !portable_only;
     round_rows(x, m_rows * k, xb, simd);
+    memset(xb + m_rows * k, 0, (size_t)((held - m_rows) * k) * sizeof(uint16_t));
+    int failed = 0;
+#ifdef QBF16_AMX
+    if (amx) {
+        failed = amx_matmul(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
+        free(xb);
+        return failed;
+    }
+#endif
 #ifdef QBF16_SIMD
     if (simd) {
         vector(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
@@ -273,7 +435,7 @@ int disagg_qbf16_matmul(const float *x, int64_t m_rows, int64_t k, const uint8_t
         return 0;
     }
 #endif
-    int failed = portable(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
+    failed = portable(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
     free(xb);
     return failed;
 }

@@ -181,6 +181,11 @@ def bf16_simd() -> bool:
     return bool(_lib().disagg_qbf16_simd())
 
 
+def bf16_amx() -> bool:
+    """Whether bf16 prompt rows run on AMX tiles (qlinear's `tiles`: qbf16.c)."""
+    return bool(_lib().disagg_qbf16_amx())
+
+
 def require_bf16() -> bool:
     """True where bf16 block products can serve, else a ConfigError saying why not."""
     if not bf16_simd():
@@ -237,14 +242,18 @@ def dequantize(w: QuantLinear) -> torch.Tensor:
 
 
 def qlinear(
-    x: torch.Tensor, w: QuantLinear, activations: str = "float32", portable: bool = False
+    x: torch.Tensor,
+    w: QuantLinear,
+    activations: str = "float32",
+    portable: bool = False,
+    tiles: bool = False,
 ) -> torch.Tensor:
     """x [M, k] fp32 -> x @ W.T [M, n] fp32, any M (a row's result never depends on M).
     `activations` "float32": fp32 activations against the expanded weights (qmatmul.c);
     "int8": each row quantized per group of 32 to int8 first and multiplied in integers
     (qdot.c, llama.cpp's scheme); "bfloat16": rows and weights rounded to bf16, products
     summed in fp32 (qbf16.c; `portable` runs its reference path even where the CPU has
-    AVX512-BF16)."""
+    AVX512-BF16; `tiles`: on AMX tiles where the CPU has them, prompt rows' choice)."""
     rows = x.shape[0]
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[1] != w.k:
@@ -258,7 +267,8 @@ def qlinear(
         if activations == "int8":
             failed = lib.disagg_qdot_matmul(*args, w.n, y.data_ptr(), threads)
         else:
-            failed = lib.disagg_qbf16_matmul(*args, w.n, y.data_ptr(), threads, int(portable))
+            flags = int(portable) | 2 * int(tiles)  # qbf16.c's PORTABLE_ONLY, TILES
+            failed = lib.disagg_qbf16_matmul(*args, w.n, y.data_ptr(), threads, flags)
         if failed == -2:
             raise ValueError(f"qlinear: {activations} blocks need k a multiple of {GROUP}")
         if failed:
