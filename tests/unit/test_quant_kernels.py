@@ -77,3 +77,41 @@ def test_bad_blocks_are_refused_clearly():
         quant.from_blocks("q4_1", qs[:, :1], d, m)
     with pytest.raises(ValueError, match="against weight"):
         quant.qlinear(torch.randn(2, 32), w)
+
+
+def _attend(qkv, pos, kc, vc, heads, kv_heads, d, rows):
+    out = torch.empty(rows, heads * d)
+    scratch = torch.empty(rows * heads, kc.shape[2])
+    quant.library().disagg_decode_attention(
+        qkv.data_ptr(), rows, heads, kv_heads, d, pos.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+        kc.shape[2], d**-0.5, out.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d"), [(9, 3, 64), (8, 1, 80), (4, 4, 64), (6, 2, 8)]
+)
+def test_decode_attention_matches_softmax_attention_and_is_batch_invariant(heads, kv_heads, d):
+    """fused_decode's attention kernel: each row's query heads over its own slot's positions
+    0..pos (a kv head's query heads scored together, in runs of up to four), against float64
+    softmax attention, and a row's bits the same alone as in the batch."""
+    g = torch.Generator().manual_seed(heads * d)
+    rows, max_len = 5, 37
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
+    kc = torch.randn(rows, kv_heads, max_len, d, generator=g)
+    vc = torch.randn(rows, kv_heads, max_len, d, generator=g)
+    pos = torch.tensor([0, 1, 36, 17, 2], dtype=torch.int64)  # 1, 2, 37, 18, 3 positions
+    got = _attend(qkv, pos, kc, vc, heads, kv_heads, d, rows)
+    group = heads // kv_heads
+    for r in range(rows):
+        t = int(pos[r]) + 1
+        q = qkv[r, : heads * d].double().view(heads, d)
+        k = kc[r, :, :t].double().repeat_interleave(group, 0)  # [heads, t, d]
+        v = vc[r, :, :t].double().repeat_interleave(group, 0)
+        p = torch.softmax((k @ q[:, :, None])[:, :, 0] * d**-0.5, dim=-1)  # [heads, t]
+        want = (p[:, None, :] @ v)[:, 0].reshape(-1).float()
+        assert torch.allclose(got[r], want, atol=2e-6, rtol=1e-5), r
+        alone = _attend(qkv[r : r + 1].clone(), pos[r : r + 1].clone(), kc[r : r + 1].clone(),
+                        vc[r : r + 1].clone(), heads, kv_heads, d, 1)  # fmt: skip
+        assert torch.equal(alone[0], got[r]), r

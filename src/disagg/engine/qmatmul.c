@@ -394,32 +394,108 @@ void disagg_rope_store(float *qkv, int64_t m_rows, int64_t n_heads, int64_t n_kv
     }
 }
 
+/* One query head's softmax over its scores p[0..t) (mx: their maximum), then o = the
+ * weighted sum of the rows of v, position by position (w = p[i] / sum; o += w v_i). */
+static void weigh(float *p, int64_t t, float mx, const float *v, int64_t d, float *o) {
+    float sum = 0.0f;
+    exp_shifted(p, t, mx);
+    for (int64_t i = 0; i < t; i++) sum += p[i];
+#ifdef DISAGG_AVX2
+    int64_t j = 0;
+    for (; j + 64 <= d; j += 64) { /* 64 of o in registers over all the positions */
+        __m256 acc[8];
+        for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < t; i++) {
+            __m256 w = _mm256_set1_ps(p[i] / sum);
+            const float *vi = v + i * d + j;
+            for (int u = 0; u < 8; u++)
+                acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(w, _mm256_loadu_ps(vi + 8 * u)));
+        }
+        for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + j + 8 * u, acc[u]);
+    }
+    for (; j < d; j += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < t; i++) {
+            __m256 w = _mm256_set1_ps(p[i] / sum);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(w, _mm256_loadu_ps(v + i * d + j)));
+        }
+        _mm256_storeu_ps(o + j, acc);
+    }
+#else
+    for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
+    for (int64_t i = 0; i < t; i++) {
+        float w = p[i] / sum;
+        for (int64_t j = 0; j < d; j++) o[j] += w * v[i * d + j];
+    }
+#endif
+}
+
+#ifdef DISAGG_AVX2
+#define AG 4 /* query heads of one kv head scored together */
+/* p[g * ld + i] = dot(q_g, k_i) * scale for NG query heads: each dot dot()'s own chain of
+ * fmas and fold, 2 NG of them in flight (two positions a pass) instead of one. */
+static inline __attribute__((always_inline)) void scores(const float *q, int64_t d, const int NG,
+                                                         const float *k, int64_t t, float scale,
+                                                         float *p, int64_t ld) {
+    int64_t i = 0;
+    for (; i + 2 <= t; i += 2) {
+        __m256 acc[AG][2];
+        for (int g = 0; g < NG; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+        const float *k0 = k + i * d, *k1 = k0 + d;
+        for (int64_t j = 0; j < d; j += 8) {
+            __m256 a = _mm256_loadu_ps(k0 + j), b = _mm256_loadu_ps(k1 + j);
+            for (int g = 0; g < NG; g++) {
+                __m256 qv = _mm256_loadu_ps(q + g * d + j);
+                acc[g][0] = _mm256_fmadd_ps(qv, a, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(qv, b, acc[g][1]);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            p[g * ld + i] = hsum8(acc[g][0]) * scale;
+            p[g * ld + i + 1] = hsum8(acc[g][1]) * scale;
+        }
+    }
+    for (; i < t; i++)
+        for (int g = 0; g < NG; g++) p[g * ld + i] = dot(q + g * d, k + i * d, d) * scale;
+}
+#endif
+
 /* out [M, H * D]: row r's query heads (grouped by kv head) attend over positions 0..pos[r]
- * of its own cache slot. */
+ * of its own cache slot. With AVX2 a kv head's query heads are scored together (its keys
+ * read once for all of them); every output is the same sequence of operations either way. */
 void disagg_decode_attention(const float *qkv, int64_t m_rows, int64_t n_heads, int64_t n_kv,
                              int64_t d, const int64_t *pos, const float *kcache,
                              const float *vcache, int64_t max_len, float scale, float *out,
                              float *scratch, int threads) {
     int64_t width = (n_heads + 2 * n_kv) * d, group = n_heads / n_kv;
+#ifdef DISAGG_AVX2
+    int64_t step = AG;
+#else
+    int64_t step = 1;
+#endif
+    int64_t runs = (group + step - 1) / step; /* runs of query heads a kv head's are taken in */
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t rh = 0; rh < m_rows * n_heads; rh++) {
-        int64_t r = rh / n_heads, h = rh % n_heads, t = pos[r] + 1;
-        const float *q = qkv + r * width + h * d;
-        const float *k = kcache + (r * n_kv + h / group) * max_len * d;
-        const float *v = vcache + (r * n_kv + h / group) * max_len * d;
-        float *p = scratch + rh * max_len, *o = out + r * n_heads * d + h * d;
-        float mx = -INFINITY;
-        for (int64_t i = 0; i < t; i++) {
-            p[i] = dot(q, k + i * d, d) * scale;
-            mx = p[i] > mx ? p[i] : mx;
+    for (int64_t item = 0; item < m_rows * n_kv * runs; item++) {
+        int64_t r = item / (n_kv * runs), kh = item / runs % n_kv, g0 = item % runs * step;
+        int64_t ng = group - g0 < step ? group - g0 : step, h0 = kh * group + g0, t = pos[r] + 1;
+        const float *q = qkv + r * width + h0 * d;
+        const float *k = kcache + (r * n_kv + kh) * max_len * d;
+        const float *v = vcache + (r * n_kv + kh) * max_len * d;
+        float *p = scratch + (r * n_heads + h0) * max_len;
+#ifdef DISAGG_AVX2
+        switch (ng) {
+        case 1: scores(q, d, 1, k, t, scale, p, max_len); break;
+        case 2: scores(q, d, 2, k, t, scale, p, max_len); break;
+        case 3: scores(q, d, 3, k, t, scale, p, max_len); break;
+        default: scores(q, d, 4, k, t, scale, p, max_len); break;
         }
-        float sum = 0.0f;
-        exp_shifted(p, t, mx);
-        for (int64_t i = 0; i < t; i++) sum += p[i];
-        for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
-        for (int64_t i = 0; i < t; i++) {
-            float w = p[i] / sum;
-            for (int64_t j = 0; j < d; j++) o[j] += w * v[i * d + j];
+#else
+        for (int64_t i = 0; i < t; i++) p[i] = dot(q, k + i * d, d) * scale;
+#endif
+        for (int64_t g = 0; g < ng; g++) {
+            float mx = -INFINITY, *pg = p + g * max_len;
+            for (int64_t i = 0; i < t; i++) mx = pg[i] > mx ? pg[i] : mx;
+            weigh(pg, t, mx, v, d, out + r * n_heads * d + (h0 + g) * d);
         }
     }
 }
