@@ -1,8 +1,8 @@
 """The bf16 block kernels (engine/qbf16.c through quant.qlinear(activations="bfloat16")) from
 plain numbers: the portable path equal bit for bit to the arithmetic written out in numpy,
 the AVX512-BF16 path equal bit for bit to the portable one (where the CPU has it), close to
-fp32, batch invariant; prompt rows on AMX (where the CPU has it) within fp32 summation error
-of the exact sum and batch invariant. No weights, no model."""
+fp32, batch invariant; rows on AMX tiles (where the CPU has them) within fp32 summation error
+of the exact sum and batch invariant across both tile layouts. No weights, no model."""
 
 from __future__ import annotations
 
@@ -100,8 +100,9 @@ def exact(x: torch.Tensor, w: quant.QuantLinear) -> tuple[np.ndarray, np.ndarray
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_prompt_rows_on_tiles_are_within_fp32_summation_error_and_batch_invariant(fmt):
-    """Prompt rows (`tiles`): AMX where the CPU has them. Their summation order is the tile unit's
+def test_rows_on_tiles_are_within_fp32_summation_error_and_batch_invariant(fmt):
+    """Rows on tiles (`tiles`: prompt and decode rows): AMX where the CPU has them. Their
+    summation order is the tile unit's
     own (no bit-for-bit reference), so: within the error bound of any fp32 summation order of
     the same bf16 products, and every row's bits the same in any batch (partial tiles of 32
     rows, a partial panel of 75 columns, a second block of 256 rows). Without AMX the flag
@@ -115,7 +116,9 @@ def test_prompt_rows_on_tiles_are_within_fp32_summation_error_and_batch_invarian
         return
     ref, magnitude = exact(x, w)
     assert (np.abs(got.numpy() - ref) <= k * 2.0**-24 * magnitude + 1e-30).all()
-    for lo, hi in ((0, 65), (17, 99), (5, 6), (200, 300), (255, 258)):
+    # 1-32 rows take the other tile layout (qbf16.c amx_few): the same bits as in the panel's
+    for lo, hi in ((0, 65), (17, 99), (5, 6), (200, 300), (255, 258), (40, 56), (40, 57),
+                   (100, 132), (100, 133)):  # fmt: skip
         alone = quant.qlinear(x[lo:hi], w, "bfloat16", tiles=True)
         assert torch.equal(alone, got[lo:hi]), (lo, hi)
 

@@ -171,8 +171,8 @@ def linear(x: torch.Tensor, lin: Linear | BlockLinear) -> torch.Tensor:
     more rows (prefill) multiply the dense copy, so a row of a 64-row chunk and of a 65-row
     one differ by rounding: decode batches never cross that line (engine/fused_decode.py
     multiplies blocks at any size; the torch decode path caps max_num_seqs there). With bf16
-    activations there is no dense copy: prompt rows (this function's) take AMX tiles where the
-    CPU has them at every row count, decode rows the lanes (fused_decode.py calls qlinear)."""
+    activations there is no dense copy: prompt rows (this function's) and decode rows
+    (fused_decode.py calls qlinear) take AMX tiles where the CPU has them, at every count."""
     if isinstance(lin, BlockLinear):
         if lin.activations == "bfloat16":
             return qlinear(x, lin.blocks, "bfloat16", tiles=True)

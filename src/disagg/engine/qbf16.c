@@ -27,14 +27,15 @@
  * The portable path is what a CPU without AVX512-BF16 would run (slowly: the engine refuses
  * the setting there). Batch invariant by construction, as qmatmul.c: every (row, column) is
  * one fixed sequence of operations whatever the other rows are, computed by one thread. *
- * Prompt rows (`flags` TILES, the caller's choice: kernels.linear sets it, decode's
- * fused_decode.py does not) run on AMX tiles where the CPU has them (tdpbf16ps: 16 rows x 32
- * bf16 against 16 pairs x 16 columns per instruction; from 64 rows up 2.5-6x the lanes'
- * products here). Same bf16 factors; the tile unit sums each instruction's 32 products in an
- * order of its own that Intel does not spell out, so that path has no bit-for-bit
- * reference: the tests hold it within fp32 summation error of the exact sum of the bf16
- * products, and batch invariant (each row of a tile is accumulated apart), so a prompt's
- * K/V are the same in any chunking, cached or cold. Without AMX, TILES changes nothing.
+ * Rows on tiles (`flags` TILES: every caller in the engine sets it) run on AMX where the CPU
+ * has them (tdpbf16ps: 16 rows x 32 bf16 against 16 pairs x 16 columns per instruction; from
+ * 64 rows up 3.5-6x the lanes' products here, at 16 decode rows 2.4-3.3x, at 1 row 0.7-0.8x).
+ * Same bf16 factors; the tile unit sums each instruction's 32 products in an order of its own
+ * that Intel does not spell out, so that path has no bit-for-bit reference: the tests hold it
+ * within fp32 summation error of the exact sum of the bf16 products, and batch invariant
+ * (each (row, column) is accumulated apart, by the same instructions in either tile layout),
+ * so a prompt's K/V are the same in any chunking, cached or cold, and a decode row's logits
+ * the same in any batch. Without AMX, TILES changes nothing.
  */
 #include <math.h>
 #include <stdint.h>
@@ -65,7 +66,7 @@ int disagg_qbf16_simd(void) {
 #endif
 }
 
-/* Whether prompt rows run on AMX: built for it, and the kernel lets this process use the tile
+/* Whether rows run on AMX: built for it, and the kernel lets this process use the tile
  * data (Linux asks each process to request it once: arch_prctl ARCH_REQ_XCOMP_PERM). */
 int disagg_qbf16_amx(void) {
 #ifdef QBF16_AMX
@@ -173,16 +174,19 @@ INLINE float fold16_v(__m512 v) {
 }
 
 /* one Q4 group to 32 bf16: the group's 16 possible weights computed and rounded once (the
- * scalar expansion's values), then looked up by nibble */
+ * scalar expansion's values), twice over in a 32-entry table, then looked up by nibble:
+ * lanes 0-15 index with a whole byte (vpermw reads its low 5 bits: the low nibble, or the
+ * low nibble + 16, the same weight), lanes 16-31 with the byte shifted right by 4 */
 INLINE __m512i q4_group(const uint8_t *qs, float d, float m, int zero) {
     const __m512 idx = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i shift = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004,
+                                           0x0004000400040004, 0x0004000400040004, 0, 0, 0, 0);
     __m512 v = _mm512_add_ps(
         _mm512_mul_ps(_mm512_set1_ps(d), _mm512_sub_ps(idx, _mm512_set1_ps((float)zero))),
         _mm512_set1_ps(m));
-    __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
-    __m128i b = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-    __m512i nib = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+    __m512i table = (__m512i)_mm512_cvtne2ps_pbh(v, v);
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    __m512i nib = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(b), shift);
     return _mm512_permutexvar_epi16(nib, table);
 }
 
@@ -386,6 +390,99 @@ static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8
     }
     return failed ? -1 : 0;
 }
+
+/* Few rows (decode's batches): the panel above is built for AR rows, so 1-16 rows pay for
+ * its transpose as 256 would. Here the operands swap roles: the first is 16 columns' groups
+ * as the lanes expand them (one column a tile row: no transpose), the second the rows' bf16
+ * pairs, transposed once per call (a few KB). C[column][row] is the same sum of the same
+ * pairs in the same instruction sequence, so every row's bits equal amx_matmul's (tested at
+ * every count around FEW). Measured at 16 rows: 2.4-3.3x the lanes; at 1, 0.7-0.8x. */
+#define FEW 32 /* rows: at most two tiles of 16 */
+#define FC 32  /* columns a block: two tiles of 16 */
+
+/* xb [m_rows, k] -> xt [2][k/2][16] 32-bit pairs, zero past m_rows */
+static void pairs_t(const uint16_t *xb, int64_t m_rows, int64_t k, uint32_t *xt) {
+    const uint32_t *x = (const uint32_t *)xb;
+    int64_t kp = k / 2;
+    memset(xt, 0, (size_t)(2 * 16 * kp) * sizeof(uint32_t));
+    for (int64_t r = 0; r < m_rows; r++) {
+        uint32_t *dst = xt + r / 16 * 16 * kp + r % 16;
+        for (int64_t p = 0; p < kp; p++) dst[p * 16] = x[r * kp + p];
+    }
+}
+
+/* group s of nc <= FC columns into b [FC][32] (zero columns past nc) */
+INLINE void few_group(const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t ng,
+                      int64_t nc, int64_t s, uint16_t *b) {
+    int64_t width = fmt == Q8_0 ? GROUP : 16;
+    int zero = fmt == Q4_0 ? 8 : 0;
+    for (int64_t i = 0; i < FC; i++) {
+        int64_t at = i * ng + s;
+        __m512i v = i >= nc ? _mm512_setzero_si512()
+                    : fmt == Q8_0 ? q8_group((const int8_t *)qs + at * width, d[at])
+                                  : q4_group(qs + at * width, d[at], mn ? mn[at] : 0.0f, zero);
+        _mm512_store_si512(b + i * GROUP, v);
+    }
+}
+
+/* nc <= FC columns against every row: each group expanded one step ahead of its tiles */
+static void few_block(const uint32_t *xt, int64_t m_rows, int64_t k, const uint8_t *qs,
+                      const float *d, const float *mn, int fmt, int64_t nc, float *y, int64_t n) {
+    int64_t ng = k / GROUP, kp = k / 2;
+    int two = m_rows > 16;
+    uint16_t w[2][FC * GROUP] __attribute__((aligned(64)));
+    float out[FC * FEW] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    few_group(qs, d, mn, fmt, ng, nc, 0, w[0]);
+    for (int64_t s = 0; s < ng; s++) {
+        if (s + 1 < ng) few_group(qs, d, mn, fmt, ng, nc, s + 1, w[(s + 1) & 1]);
+        _tile_loadd(4, w[s & 1], GROUP * 2);
+        _tile_loadd(5, w[s & 1] + 16 * GROUP, GROUP * 2);
+        _tile_loadd(6, xt + 16 * 16 * s, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+            _tile_loadd(7, xt + 16 * kp + 16 * 16 * s, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out, FEW * 4);
+    _tile_stored(1, out + 16 * FEW, FEW * 4);
+    if (two) {
+        _tile_stored(2, out + 16, FEW * 4);
+        _tile_stored(3, out + 16 * FEW + 16, FEW * 4);
+    }
+    for (int64_t r = 0; r < m_rows; r++)
+        for (int64_t i = 0; i < nc; i++) y[r * n + i] = out[i * FEW + r];
+}
+
+/* m_rows <= FEW; returns -1 where the rows' pairs cannot be allocated, else 0 */
+static int amx_few(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t *qs,
+                   const float *d, const float *mn, int fmt, int64_t n, float *y, int threads) {
+    int64_t ng = k / GROUP, bytes = ng * (fmt == Q8_0 ? GROUP : 16);
+    uint32_t *xt = aligned_alloc(64, (size_t)(2 * 16 * (k / 2)) * sizeof(uint32_t));
+    if (!xt) return -1;
+    pairs_t(xb, m_rows, k, xt);
+#pragma omp parallel num_threads(threads)
+    {
+        tile_config cfg = {.palette = 1};
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        if (m_rows <= 16) /* one tile of rows: C and the rows' tile only as wide as they are */
+            cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[6] = 4 * m_rows;
+        _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < n; c += FC)
+            few_block(xt, m_rows, k, qs + c * bytes, d + c * ng, mn ? mn + c * ng : NULL, fmt,
+                      n - c < FC ? n - c : FC, y + c, n);
+        _tile_release();
+    }
+    free(xt);
+    return 0;
+}
 #endif
 
 /* x [M, K] fp32 -> bf16 [M, K] (K a multiple of 32) */
@@ -402,7 +499,7 @@ static void round_rows(const float *x, int64_t count, uint16_t *xb, int simd) {
 }
 
 #define PORTABLE_ONLY 1 /* the portable path even where the vector one runs (the tests') */
-#define TILES 2         /* prompt rows: AMX where the CPU has it (see the top) */
+#define TILES 2         /* AMX where the CPU has it (see the top) */
 
 /* x [M, K] fp32; W: qs [N, K/32, 16] uint8 (fmt 0 Q4_0, 1 Q4_1) or [N, K/32, 32] int8
  * (fmt 2 Q8_0), d and mn [N, K/32] fp32 (mn NULL: none); y [M, N] fp32; `flags` the bits
@@ -422,6 +519,11 @@ int disagg_qbf16_matmul(const float *x, int64_t m_rows, int64_t k, const uint8_t
     memset(xb + m_rows * k, 0, (size_t)((held - m_rows) * k) * sizeof(uint16_t));
     int failed = 0;
 #ifdef QBF16_AMX
+    if (amx && m_rows <= FEW) {
+        failed = amx_few(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
+        free(xb);
+        return failed;
+    }
     if (amx) {
         failed = amx_matmul(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
         free(xb);

@@ -182,7 +182,7 @@ def bf16_simd() -> bool:
 
 
 def bf16_amx() -> bool:
-    """Whether bf16 prompt rows run on AMX tiles (qlinear's `tiles`: qbf16.c)."""
+    """Whether bf16 rows run on AMX tiles (qlinear's `tiles`: qbf16.c)."""
     return bool(_lib().disagg_qbf16_amx())
 
 
@@ -253,7 +253,8 @@ def qlinear(
     "int8": each row quantized per group of 32 to int8 first and multiplied in integers
     (qdot.c, llama.cpp's scheme); "bfloat16": rows and weights rounded to bf16, products
     summed in fp32 (qbf16.c; `portable` runs its reference path even where the CPU has
-    AVX512-BF16; `tiles`: on AMX tiles where the CPU has them, prompt rows' choice)."""
+    AVX512-BF16; `tiles`: on AMX tiles where the CPU has them, as the engine multiplies
+    every bf16 row; without it the AVX512-BF16 lanes, the tests' and benchmarks' other side)."""
     rows = x.shape[0]
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[1] != w.k:
