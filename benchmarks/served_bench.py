@@ -230,10 +230,13 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "results" / "served_bench.json"))
     a = p.parse_args()
     print("loading the in-process engines ...", flush=True)
-    dtype = ServeSettings.load().compute_dtype  # DISAGG_COMPUTE_DTYPE, as the server takes it
+    settings = ServeSettings.load()  # DISAGG_COMPUTE_DTYPE etc., as the server takes them
+    dtype, acts = settings.compute_dtype, settings.decode_activations
     engines = {
-        "colocated": LLM(a.engine_dir, disaggregated=False, compute_dtype=dtype),
-        "disaggregated": LLM(a.engine_dir, disaggregated=True, compute_dtype=dtype),
+        "colocated": LLM(a.engine_dir, disaggregated=False, compute_dtype=dtype, activations=acts),
+        "disaggregated": LLM(
+            a.engine_dir, disaggregated=True, compute_dtype=dtype, activations=acts
+        ),
     }
     maker = PromptMaker(engines["colocated"].tokenizer, seed=0)
     prompts = [maker.text(150, i) for i in range(a.concurrency)]
