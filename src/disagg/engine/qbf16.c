@@ -370,6 +370,7 @@ static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8
             for (int64_t c = 0; c < n; c += AP) {
                 int64_t nc = n - c < AP ? n - c : AP;
                 amx_panel(qs + c * bytes, d + c * ng, mn ? mn + c * ng : NULL, fmt, ng, nc, p);
+                __asm__ volatile("" ::: "memory"); /* the panel's stores before the tile loads */
                 for (int64_t r0 = b0; r0 < b1; r0 += AR) {
                     int64_t nr = b1 - r0 < AR ? b1 - r0 : AR;
                     amx_block(xb + r0 * k, k, p);
@@ -394,7 +395,7 @@ static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8
 /* Few rows (decode's batches): the panel above is built for AR rows, so 1-16 rows pay for
  * its transpose as 256 would. Here the operands swap roles: the first is 16 columns' groups
  * as the lanes expand them (one column a tile row: no transpose), the second the rows' bf16
- * pairs, transposed once per call (a few KB). C[column][row] is the same sum of the same
+ * pairs, transposed once per call (64 k bytes). C[column][row] is the same sum of the same
  * pairs in the same instruction sequence, so every row's bits equal amx_matmul's (tested at
  * every count around FEW). Measured at 16 rows: 2.4-3.3x the lanes; at 1, 0.7-0.8x. */
 #define FEW 32 /* rows: at most two tiles of 16 */
@@ -402,12 +403,11 @@ static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8
 
 /* xb [m_rows, k] -> xt [2][k/2][16] 32-bit pairs, zero past m_rows */
 static void pairs_t(const uint16_t *xb, int64_t m_rows, int64_t k, uint32_t *xt) {
-    const uint32_t *x = (const uint32_t *)xb;
     int64_t kp = k / 2;
     memset(xt, 0, (size_t)(2 * 16 * kp) * sizeof(uint32_t));
     for (int64_t r = 0; r < m_rows; r++) {
         uint32_t *dst = xt + r / 16 * 16 * kp + r % 16;
-        for (int64_t p = 0; p < kp; p++) dst[p * 16] = x[r * kp + p];
+        for (int64_t p = 0; p < kp; p++) memcpy(dst + p * 16, xb + r * k + 2 * p, 4);
     }
 }
 
@@ -439,6 +439,7 @@ static void few_block(const uint32_t *xt, int64_t m_rows, int64_t k, const uint8
     few_group(qs, d, mn, fmt, ng, nc, 0, w[0]);
     for (int64_t s = 0; s < ng; s++) {
         if (s + 1 < ng) few_group(qs, d, mn, fmt, ng, nc, s + 1, w[(s + 1) & 1]);
+        __asm__ volatile("" ::: "memory"); /* the groups' stores before the tile loads */
         _tile_loadd(4, w[s & 1], GROUP * 2);
         _tile_loadd(5, w[s & 1] + 16 * GROUP, GROUP * 2);
         _tile_loadd(6, xt + 16 * 16 * s, 64);
