@@ -112,9 +112,9 @@ class ServeSettings:
     # a request whose decode failed waits this long for a decode to take it again (another
     # instance, the restarted one, a replica), then fails; 0: at once (docs/reliability.md)
     decode_recover_s: float = 30.0
-    # a decode replica on another server that sent a stream's tokens and then nothing for this
-    # long is taken for hung (a frozen or partitioned node, which a dead one is not: no error
-    # ever comes) and the stream moves to another replica (remote/pools.py GrpcDecodePool)
+    # a decode (replica on another server, or instance in this one) that sent a stream's tokens
+    # and then nothing for this long is taken for hung (a frozen or partitioned node, which a
+    # dead one is not: no error ever comes) and the stream moves on (remote/pools.py, bls.py)
     decode_hang_s: float = 30.0
     orchestrator_max_concurrency: int = 64  # requests the orchestrator (and router) serve at once
     served_model_name: str = "smollm2-135m-instruct"  # the public name routing rules match

@@ -108,6 +108,8 @@ class InferenceRequest:
         script = type(self).script
         if isinstance(script, Exception):
             raise script
+        if callable(script):  # e.g. a call that never returns
+            return script()
         return iter(script) if decoupled else script[0]
 
 

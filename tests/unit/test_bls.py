@@ -5,6 +5,7 @@ before Python lets go of them."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -133,3 +134,38 @@ def test_responses_hold_only_the_outputs_the_requester_asked_for(bls):
     assert names == asked
     everything = {t.name() for t in pb.reply_response(reply, True).output_tensors()}
     assert everything > asked and C.KV_BYTES in everything
+
+
+def test_a_call_that_never_returns_is_a_pool_error_within_first_s(bls):
+    """Triton can hand a BLS call to an instance whose stub died; exec then never returns.
+    Bounded by first_s, it is a refusal the orchestrator's recovery retries."""
+    u = bls.pb_utils
+    u.InferenceRequest.script = lambda: time.sleep(3600)
+    start = time.monotonic()
+    with pytest.raises(PoolError, match=r"decode: no response in 0.3 s$"):
+        next(bls.bls_stream(u.InferenceRequest("decode"), "decode", 0.05, first_s=0.3))
+    assert time.monotonic() - start < 2
+
+
+def test_a_live_callee_silent_past_hang_s_ends_the_stream(bls):
+    """Acknowledged by a process that lives (this one) and a first token, then nothing: past
+    hang_s a PoolError, so the stream moves to another decode instead of hanging; the wait
+    for that first token is bounded by stall_s instead."""
+    u = bls.pb_utils
+    ack = _response(u, **{C.WORKER_PID: [os.getpid()]})
+    token = _response(u, x=[1])
+
+    def then_silent():
+        yield ack
+        yield token
+        time.sleep(3600)
+
+    u.InferenceRequest.script = then_silent
+    stream = bls.bls_stream(
+        u.InferenceRequest("decode"), "decode", 0.05, first_s=5, stall_s=5, hang_s=0.3
+    )
+    assert next(stream) is ack and next(stream) is token
+    start = time.monotonic()
+    with pytest.raises(PoolError, match=r"no response in 0.3 s after 2 response\(s\)"):
+        next(stream)
+    assert 0.25 < time.monotonic() - start < 2

@@ -106,7 +106,7 @@ class TritonPythonModel:
             from disagg.remote.pools import GrpcDecodePool
 
             return GrpcDecodePool(p.decode_replicas, route=route_params(p), hang_s=p.decode_hang_s)
-        return pools.BlsDecodePool(p.decode_model, cancels)
+        return pools.BlsDecodePool(p.decode_model, cancels, hang_s=p.decode_hang_s)
 
     def _parse(self, request):
         req = build_request(

@@ -104,31 +104,43 @@ def failure_response(
 
 
 def bls_stream(
-    req: pb_utils.InferenceRequest, what: str, liveness_check_s: float = 1.0
+    req: pb_utils.InferenceRequest,
+    what: str,
+    liveness_check_s: float = 1.0,
+    first_s: float | None = None,
+    stall_s: float | None = None,
+    hang_s: float | None = None,
 ) -> Iterator[pb_utils.InferenceResponse]:
     """The responses of a decoupled BLS call, every failure raised (Triton errors, failures
-    sent as outputs, the callee's process dying), acknowledgements included.
+    sent as outputs, the callee's process dying, silence past a limit), acknowledgements
+    included.
 
-    The response iterator blocks forever if the callee's process dies mid-stream, so it is
-    read on a helper thread while this one watches the process named by the WORKER_PID of
-    the callee's acknowledgement."""
-    try:
-        responses = req.exec(decoupled=True)
-    except pb_utils.TritonModelException as e:  # model missing, not ready
-        raise PoolError(f"{what}: {e}") from e
+    The call and its response iterator can block for good: Triton may hand the call to an
+    instance whose stub has died, and then `exec` never returns; a response iterator never
+    ends if the callee's process dies mid-stream. So both run on a helper thread while this
+    one watches the process named by the WORKER_PID of the callee's acknowledgement, and
+    the limits (None: none) bound the silence before the first response (`first_s`), between
+    the first and the second (`stall_s`: the callee may wait for a slot or prefill first)
+    and between later ones (`hang_s`). Past one, PoolError: before the first response the
+    callee never took the call (recovery retries it), after it the stream moves on."""
     events: queue.Queue[pb_utils.InferenceResponse | Exception | None] = queue.Queue()
-    threading.Thread(target=_pump, args=(responses, events), daemon=True).start()
-    pid = 0
+    threading.Thread(target=_pump, args=(req, events), daemon=True).start()
+    pid, seen, last = 0, 0, time.monotonic()
     while True:
+        limit = first_s if seen == 0 else stall_s if seen == 1 else hang_s
         try:
             response = events.get(timeout=liveness_check_s)
         except queue.Empty:
             if pid and not process_alive(pid):
                 raise PoolError(f"{what} worker {pid} died mid-request") from None
+            if limit is not None and time.monotonic() - last >= limit:
+                after = "" if seen == 0 else f" after {seen} response(s)"
+                raise PoolError(f"{what}: no response in {limit:g} s{after}") from None
             continue
+        seen, last = seen + 1, time.monotonic()
         if response is None:
             return
-        if isinstance(response, Exception):
+        if isinstance(response, Exception):  # (model missing, not ready, ...)
             raise PoolError(f"{what}: {response}") from response
         raise_for_error(response, what)
         contract = output_arrays(response, ACK.names + FAILURE.names)
@@ -139,17 +151,20 @@ def bls_stream(
 
 
 def _pump(
-    responses: Iterable[pb_utils.InferenceResponse],
+    req: pb_utils.InferenceRequest,
     events: queue.Queue[pb_utils.InferenceResponse | Exception | None],
 ) -> None:
+    responses: Iterable[pb_utils.InferenceResponse] | None = None
     try:
+        responses = req.exec(decoupled=True)
         for response in responses:
             events.put(response)
         events.put(None)
     except Exception as e:
         events.put(e)
     finally:
-        FINISHED_STREAMS.keep(responses)
+        if responses is not None:
+            FINISHED_STREAMS.keep(responses)
 
 
 class Graveyard:

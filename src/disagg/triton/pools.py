@@ -51,11 +51,23 @@ class BlsDecodePool:
     """The decode pool as the decoupled Triton model `model_name` in this server."""
 
     def __init__(
-        self, model_name: str, cancels: CancelRegistry, liveness_check_s: float = 1.0
+        self,
+        model_name: str,
+        cancels: CancelRegistry,
+        liveness_check_s: float = 1.0,
+        hang_s: float = 30.0,
+        first_s: float = 30.0,
+        stall_s: float = 300.0,
     ) -> None:
+        """A stream whose decode process lives but says nothing ends with PoolError, as
+        GrpcDecodePool's do: `first_s` without the acknowledgement decode sends as it takes
+        a call (Triton handed it to an instance that will never run it: recovery calls
+        again), `stall_s` from it to the first token (a slot, a prefill), `hang_s` between
+        tokens (a live decode sends every step: the stream moves to another decode)."""
         self.model_name = model_name
         self.cancels = cancels
         self.liveness_check_s = liveness_check_s
+        self.limits = {"first_s": first_s, "stall_s": stall_s, "hang_s": hang_s}
         # ids of the streams open now: only those are cancelled. A stream decode ended (a
         # failure, its death) has nothing to stop, and a first call carries the request's own
         # id, which the orchestrator's runner reads as "the client left" (runner.py): marked,
@@ -80,7 +92,7 @@ class BlsDecodePool:
         names = DecodeStepResponse.TENSORS.names
         self._open.add(request_id)
         try:
-            for response in bls_stream(req, "decode", self.liveness_check_s):
+            for response in bls_stream(req, "decode", self.liveness_check_s, **self.limits):
                 arrays = output_arrays(response, names)
                 if not arrays:  # the empty response that carries FINAL
                     continue
