@@ -97,8 +97,8 @@ class ServeSettings:
     # llama.cpp does (~1.5x faster decode here; perplexity +0.4%, some greedy replies part
     # at near ties: docs/benchmarks.md), or "bfloat16": rows and weights rounded to bf16,
     # products summed in fp32 (engine/qbf16.c; CPUs with AVX512-BF16 only; perplexity +0.1%;
-    # on AMX tiles where the CPU has them: 3x faster prefill, 1.6x faster decode at 16
-    # sequences, 1.4x slower at 1), prompts at every length included. Quantized weights only.
+    # on AMX tiles where the CPU has them: 3x faster prefill, 1.5x faster decode at 16
+    # sequences, 1.3x slower at 1), prompts at every length included. Quantized weights only.
     decode_activations: str = "float32"
     # where disagg's engine (engine_backend pytorch) runs: "cpu", or "cuda" / "cuda:N"
     device: str = "cpu"

@@ -66,8 +66,8 @@ def _p(t: torch.Tensor) -> int:
 def _mm(x: torch.Tensor, lin: Linear | BlockLinear, int8: bool) -> torch.Tensor:
     """The blocks at any batch size (kernels.linear would take the dense copy past
     DIRECT_ROWS rows: a sequence's tokens would then depend on the batch). bf16 rows take the
-    AMX tiles where the CPU has them, as prompt rows do: at 16 sequences a step 1.6x faster
-    than on the lanes, at 1 sequence 1.4x slower (docs/benchmarks.md); both invariant."""
+    AMX tiles where the CPU has them, as prompt rows do: at 16 sequences a step 1.5x faster
+    than on the lanes, at 1 sequence 1.3x slower (docs/benchmarks.md); both invariant."""
     if isinstance(lin, BlockLinear):
         return quant.qlinear(x, lin.blocks, "int8" if int8 else lin.activations, tiles=True)
     return linear(x, lin)
