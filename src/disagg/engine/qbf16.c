@@ -53,6 +53,7 @@
 #endif
 
 #define GROUP 32
+#define FEW 32 /* AMX: at most this many rows (two tiles of 16) take amx_few below */
 #define RT 4 /* rows of a register tile */
 #define CT 6 /* columns of a register tile: 24 accumulators, 6 weights, 1 of x (32 zmm) */
 
@@ -199,15 +200,17 @@ INLINE __m512i q8_group(const int8_t *qs, float d) {
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
+/* block `at` of a weight's blocks in its format, as 32 bf16 (the one dispatch all paths use) */
+INLINE __m512i group_bf16(const uint8_t *qs, const float *d, const float *mn, int fmt,
+                          int64_t at) {
+    if (fmt == Q8_0) return q8_group((const int8_t *)qs + at * GROUP, d[at]);
+    return q4_group(qs + at * 16, d[at], mn ? mn[at] : 0.0f, fmt == Q4_0 ? 8 : 0);
+}
+
 static void expand_cols(const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t ng,
                         int64_t nc, uint16_t *out) {
-    int64_t width = fmt == Q8_0 ? GROUP : 16;
-    int zero = fmt == Q4_0 ? 8 : 0;
-    for (int64_t i = 0; i < nc * ng; i++) {
-        __m512i w = fmt == Q8_0 ? q8_group((const int8_t *)qs + i * width, d[i])
-                                : q4_group(qs + i * width, d[i], mn ? mn[i] : 0.0f, zero);
-        _mm512_storeu_si512(out + i * GROUP, w);
-    }
+    for (int64_t i = 0; i < nc * ng; i++)
+        _mm512_storeu_si512(out + i * GROUP, group_bf16(qs, d, mn, fmt, i));
 }
 
 /* NR rows (a constant at each call: the accumulators stay in registers) against nc <= CT
@@ -304,18 +307,12 @@ INLINE void transpose16(__m512i r[16]) { /* 16 x 16 32-bit words, in registers *
  * 16 pairs of each column (one expanded group) transposed into 16 rows of the panel. */
 static void amx_panel(const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t ng,
                       int64_t nc, uint32_t *p) {
-    int64_t width = fmt == Q8_0 ? GROUP : 16;
-    int zero = fmt == Q4_0 ? 8 : 0;
     for (int h = 0; h < AP; h += 16)
         for (int64_t g = 0; g < ng; g++) {
             __m512i r[16];
-            for (int i = 0; i < 16; i++) {
-                int64_t at = (h + i) * ng + g;
+            for (int i = 0; i < 16; i++)
                 r[i] = h + i >= nc ? _mm512_setzero_si512()
-                       : fmt == Q8_0
-                           ? q8_group((const int8_t *)qs + at * width, d[at])
-                           : q4_group(qs + at * width, d[at], mn ? mn[at] : 0.0f, zero);
-            }
+                                   : group_bf16(qs, d, mn, fmt, (h + i) * ng + g);
             transpose16(r);
             for (int j = 0; j < 16; j++) _mm512_store_si512(p + (16 * g + j) * AP + h, r[j]);
         }
@@ -398,7 +395,6 @@ static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8
  * pairs, transposed once per call (64 k bytes). C[column][row] is the same sum of the same
  * pairs in the same instruction sequence, so every row's bits equal amx_matmul's (tested at
  * every count around FEW). Measured at 16 rows: 2.4-3.3x the lanes; at 1, 0.7-0.8x. */
-#define FEW 32 /* rows: at most two tiles of 16 */
 #define FC 32  /* columns a block: two tiles of 16 */
 
 /* xb [m_rows, k] -> xt [2][k/2][16] 32-bit pairs, zero past m_rows */
@@ -414,15 +410,9 @@ static void pairs_t(const uint16_t *xb, int64_t m_rows, int64_t k, uint32_t *xt)
 /* group s of nc <= FC columns into b [FC][32] (zero columns past nc) */
 INLINE void few_group(const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t ng,
                       int64_t nc, int64_t s, uint16_t *b) {
-    int64_t width = fmt == Q8_0 ? GROUP : 16;
-    int zero = fmt == Q4_0 ? 8 : 0;
-    for (int64_t i = 0; i < FC; i++) {
-        int64_t at = i * ng + s;
-        __m512i v = i >= nc ? _mm512_setzero_si512()
-                    : fmt == Q8_0 ? q8_group((const int8_t *)qs + at * width, d[at])
-                                  : q4_group(qs + at * width, d[at], mn ? mn[at] : 0.0f, zero);
-        _mm512_store_si512(b + i * GROUP, v);
-    }
+    for (int64_t i = 0; i < FC; i++)
+        _mm512_store_si512(b + i * GROUP, i >= nc ? _mm512_setzero_si512()
+                                                  : group_bf16(qs, d, mn, fmt, i * ng + s));
 }
 
 /* nc <= FC columns against every row: each group expanded one step ahead of its tiles */
@@ -513,7 +503,8 @@ int disagg_qbf16_matmul(const float *x, int64_t m_rows, int64_t k, const uint8_t
     if (m_rows < 1) return 0;
     int simd = disagg_qbf16_simd() && !(flags & PORTABLE_ONLY);
     int amx = simd && (flags & TILES) && disagg_qbf16_amx();
-    int64_t held = amx ? (m_rows + 31) / 32 * 32 : m_rows; /* AMX: whole blocks of 32 rows */
+    /* the panel path reads whole blocks of 32 rows; amx_few pairs only the rows it has */
+    int64_t held = amx && m_rows > FEW ? (m_rows + 31) / 32 * 32 : m_rows;
     uint16_t *xb = malloc((size_t)(held * k) * sizeof(uint16_t) + 64);
     if (!xb) return -1;
     round_rows(x, m_rows * k, xb, simd);
