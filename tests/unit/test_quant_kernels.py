@@ -115,3 +115,33 @@ def test_decode_attention_matches_softmax_attention_and_is_batch_invariant(heads
         alone = _attend(qkv[r : r + 1].clone(), pos[r : r + 1].clone(), kc[r : r + 1].clone(),
                         vc[r : r + 1].clone(), heads, kv_heads, d, 1)  # fmt: skip
         assert torch.equal(alone[0], got[r]), r
+
+
+def test_prompt_rows_small_ops_in_c_match_torch_and_are_batch_invariant():
+    """layers.py's `in_c` (the block-quantized engine's prefill): RMSNorm, RoPE and SiLU in
+    engine/qmatmul.c agree with the torch ops to fp32 rounding, and a row's bits are the same
+    alone and among 200 rows (split among the threads from 64 rows on)."""
+    from disagg.engine.config import ModelArgs
+    from disagg.engine.layers import rms_norm, rope_tables, silu_mul, split_qkv
+
+    g = torch.Generator().manual_seed(3)
+    args = ModelArgs(dim=96, n_layers=1, n_heads=6, n_kv_heads=2, hidden_dim=160, vocab_size=32)
+    m, width = 200, (6 + 2 * 2) * args.head_dim
+    x, w = torch.randn(m, 96, generator=g), torch.rand(96, generator=g) + 0.5
+    assert torch.allclose(rms_norm(x, w, 1e-5, True), rms_norm(x, w, 1e-5), atol=1e-5)
+    assert torch.equal(rms_norm(x[7:8], w, 1e-5, True)[0], rms_norm(x, w, 1e-5, True)[7])
+
+    cos_t, sin_t = rope_tables(args)
+    pos = torch.randint(0, 300, (m,), generator=g)
+    cos, sin = cos_t[pos][:, None, :], sin_t[pos][:, None, :]
+    qkv = torch.randn(m, width, generator=g)
+    got, want = split_qkv(args, qkv.clone(), cos, sin, True), split_qkv(args, qkv, cos, sin)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+    alone = split_qkv(args, qkv[9:10].clone(), cos[9:10], sin[9:10], True)
+    for a, b in zip(alone, got, strict=True):
+        assert torch.equal(a[0], b[9])
+
+    gate_up = torch.randn(m, 2 * 160, generator=g) * 4
+    assert torch.allclose(silu_mul(gate_up, True), silu_mul(gate_up), atol=1e-5, rtol=1e-5)
+    assert torch.equal(silu_mul(gate_up[5:6], True)[0], silu_mul(gate_up, True)[5])

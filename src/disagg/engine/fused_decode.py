@@ -6,7 +6,8 @@ of a 25 ms batch-1 step here; the matmuls are the blocks' own kernels either way
 Each row's arithmetic depends on nothing but that row (batch invariant, like the torch path,
 which pads attention to whole blocks for the same reason); it differs from the torch path's
 in the order of its sums (attention over exactly a row's own positions, its own softmax), so
-decode logits agree with it to ~1e-5, not bit for bit. Prefill stays in torch.
+decode logits agree with it to ~1e-5, not bit for bit. Prefill's norms, RoPE and SiLU run
+these same C functions (layers.py `in_c`); its attention stays in torch.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Llama(Protocol):
     layers: list[Any]  # model.LayerWeights
     lm_head: Linear | BlockLinear
     activations: str  # "float32", "int8" or "bfloat16": what the blocks multiply
+    fused: bool  # whether this module runs its decode (and layers.py prompt rows' small ops in C)
 
 
 MAX_HEAD_DIM = 512  # qmatmul.c's RoPE buffer
@@ -89,7 +91,7 @@ def decode(
     scores = torch.empty(b * a.n_heads, cache.max_len)
     cos, sin = model.cos, model.sin
     for i, layer in enumerate(model.layers):
-        lib.disagg_rms_norm(_p(x), _p(layer.attn_norm), b, dim, a.norm_eps, _p(h))
+        lib.disagg_rms_norm(_p(x), _p(layer.attn_norm), b, dim, a.norm_eps, _p(h), threads)
         qkv = _mm(h, layer.wqkv, int8)  # [B, (H + 2 H_kv) D]
         kc, vc = cache.k[i], cache.v[i]
         lib.disagg_rope_store(
@@ -101,9 +103,9 @@ def decode(
             cache.max_len, model.scale, _p(attn), _p(scores), threads,
         )  # fmt: skip
         x += _mm(attn, layer.wo, int8)
-        lib.disagg_rms_norm(_p(x), _p(layer.ffn_norm), b, dim, a.norm_eps, _p(h))
+        lib.disagg_rms_norm(_p(x), _p(layer.ffn_norm), b, dim, a.norm_eps, _p(h), threads)
         gate_up = _mm(h, layer.w13, int8)  # (held: a temporary's memory could be reused)
-        lib.disagg_silu_mul(_p(gate_up), b, a.hidden_dim, _p(act))
+        lib.disagg_silu_mul(_p(gate_up), b, a.hidden_dim, _p(act), threads)
         x += _mm(act, layer.w2, int8)
-    lib.disagg_rms_norm(_p(x), _p(model.norm), b, dim, a.norm_eps, _p(h))
+    lib.disagg_rms_norm(_p(x), _p(model.norm), b, dim, a.norm_eps, _p(h), threads)
     return _mm(h, model.lm_head, False)  # fp32 logits' input: see Llama's docstring

@@ -43,7 +43,7 @@ from disagg.engine.kernels import (
     resolve_compute_dtype,
     resolve_device,
 )
-from disagg.engine.layers import rms_norm, rope_tables, split_qkv
+from disagg.engine.layers import rms_norm, rope_tables, silu_mul, split_qkv
 from disagg.engine.packed_prefill import Chunk
 from disagg.engine.prefault import prefault as prefault_pages
 from disagg.engine.quant import QuantLinear
@@ -254,13 +254,12 @@ class Llama:
         self, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [M, dim] -> q [M, H, D], k/v [M, H_kv, D], with RoPE applied to q and k."""
-        h = rms_norm(x, layer.attn_norm, self.args.norm_eps)
-        return split_qkv(self.args, linear(h, layer.wqkv), cos, sin)
+        h = rms_norm(x, layer.attn_norm, self.args.norm_eps, self.fused)
+        return split_qkv(self.args, linear(h, layer.wqkv), cos, sin, self.fused)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, layer.ffn_norm, self.args.norm_eps)
-        gate, up = linear(h, layer.w13).chunk(2, dim=-1)  # [M, hidden] each
-        return linear(F.silu(gate) * up, layer.w2)
+        h = rms_norm(x, layer.ffn_norm, self.args.norm_eps, self.fused)
+        return linear(silu_mul(linear(h, layer.w13), self.fused), layer.w2)
 
     # ------------------------------------------------------------ prefill
 
@@ -299,7 +298,7 @@ class Llama:
             x = x + linear(o[0].transpose(0, 1).reshape(s, -1), layer.wo)
             x = x + self._mlp(layer, x)
         last = x if all_logits else x[-1:]
-        logits = linear(rms_norm(last, self.norm, a.norm_eps), self.lm_head)
+        logits = linear(rms_norm(last, self.norm, a.norm_eps, self.fused), self.lm_head)
         return (logits if all_logits else logits[0]), k_out, v_out
 
     @torch.inference_mode()
@@ -332,7 +331,7 @@ class Llama:
             )  # [1, H, n, D]
             x = x + linear(o[0].transpose(0, 1).reshape(n, -1), layer.wo)
             x = x + self._mlp(layer, x)
-        return linear(rms_norm(x[-1:], self.norm, a.norm_eps), self.lm_head)[0]
+        return linear(rms_norm(x[-1:], self.norm, a.norm_eps, self.fused), self.lm_head)[0]
 
     def prefill_chunks(self, chunks: list[Chunk], cache: KVCacheSlots) -> list[torch.Tensor]:
         """`prefill_chunk` of each chunk, bit for bit, their products made together on a CPU

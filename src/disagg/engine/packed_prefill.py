@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from disagg.engine.fused_decode import KVCacheSlots, Llama  # what both read of model.py
 from disagg.engine.kernels import BlockLinear, Linear, linear
-from disagg.engine.layers import rms_norm, split_qkv
+from disagg.engine.layers import rms_norm, silu_mul, split_qkv
 from disagg.engine.quant import DIRECT_ROWS, qlinear
 
 
@@ -98,7 +98,7 @@ def prefill_chunks(model: Llama, chunks: list[Chunk], cache: KVCacheSlots) -> li
         x = x + _grouped(torch.cat(outs), layer.wo, small)
         x = x + _mlp(model, layer, x, small, bounds)
     last = torch.stack([x[b - 1] for b in bounds[1:]])  # [chunks, dim]
-    h = rms_norm(last, model.norm, a.norm_eps)
+    h = rms_norm(last, model.norm, a.norm_eps, model.fused)
     logits = torch.cat(
         [linear(h[j : j + DIRECT_ROWS], model.lm_head) for j in range(0, len(todo), DIRECT_ROWS)]
     )
@@ -112,17 +112,18 @@ def _qkv(
     model: Llama, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, split: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """model._qkv with the fused projection made per kernel group."""
-    h = rms_norm(x, layer.attn_norm, model.args.norm_eps)
-    return split_qkv(model.args, _grouped(h, layer.wqkv, split), cos, sin)
+    h = rms_norm(x, layer.attn_norm, model.args.norm_eps, model.fused)
+    return split_qkv(model.args, _grouped(h, layer.wqkv, split), cos, sin, model.fused)
 
 
 def _mlp(model: Llama, layer: Any, x: torch.Tensor, split: int, bounds: list[int]) -> torch.Tensor:
-    h = rms_norm(x, layer.ffn_norm, model.args.norm_eps)
-    gate, up = _grouped(h, layer.w13, split).chunk(2, dim=-1)
-    # SiLU chunk by chunk: torch splits an elementwise op among its threads by element count
-    # and ends each part with a scalar exp, so one call over all rows could round an element
-    # differently from the chunk's own call (the same shape and strides as prefill_chunk's)
-    act = torch.cat(
-        [F.silu(gate[lo:hi]) * up[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False)]
-    )
+    h = rms_norm(x, layer.ffn_norm, model.args.norm_eps, model.fused)
+    gate_up = _grouped(h, layer.w13, split)
+    if model.fused:  # in C, row by row (layers.py): all rows in one call
+        return _grouped(silu_mul(gate_up, True), layer.w2, split)
+    # in torch, chunk by chunk: torch splits an elementwise op among its threads by element
+    # count and ends each part with a scalar exp, so one call over all rows could round an
+    # element differently from the chunk's own call (the same shape and strides as
+    # prefill_chunk's)
+    act = torch.cat([silu_mul(gate_up[lo:hi]) for lo, hi in zip(bounds, bounds[1:], strict=False)])
     return _grouped(act, layer.w2, split)

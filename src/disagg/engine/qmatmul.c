@@ -357,8 +357,13 @@ static void exp_shifted(float *v, int64_t n, float shift) {
 }
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for r < m_rows. */
+/* (the row-wise kernels below split their rows among `threads` from ROWS_APART rows on:
+ * prompt rows; a row's arithmetic is the same whichever thread runs it) */
+#define ROWS_APART 64
+
 void disagg_rms_norm(const float *x, const float *w, int64_t m_rows, int64_t dim, float eps,
-                     float *out) {
+                     float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (m_rows >= ROWS_APART)
     for (int64_t r = 0; r < m_rows; r++) {
         const float *xr = x + r * dim;
         float ss = dot(xr, xr, dim);
@@ -367,25 +372,41 @@ void disagg_rms_norm(const float *x, const float *w, int64_t m_rows, int64_t dim
     }
 }
 
-/* qkv [M, (H + 2 Hkv) * D] from the fused projection: RoPE (HF's rotate_half layout; cos/sin
- * rows per position, sin's first half negated) on the q and k heads in place, then k and v
- * written to the layer's cache [slots, Hkv, max_len, D] at (slot r, position pos[r]). */
+/* RoPE (HF's rotate_half layout; c/s: the position's cos and sin rows, sin's first half
+ * negated) on the q and k heads of one row of the fused projection, in place */
+static void rope_row(float *row, int64_t heads, int64_t d, const float *c, const float *s) {
+    int64_t half = d / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *x = row + h * d;
+        float tmp[512];
+        for (int64_t j = 0; j < d; j++) tmp[j] = x[j];
+        for (int64_t j = 0; j < d; j++) {
+            float rot = j < half ? tmp[j + half] : tmp[j - half];
+            x[j] = tmp[j] * c[j] + rot * s[j];
+        }
+    }
+}
+
+/* Prompt rows: qkv [M, (H + 2 Hkv) * D], RoPE on the q and k heads in place, row r at the
+ * position whose cos and sin rows are cos_r[r], sin_r[r] ([M, D] each) */
+void disagg_rope_rows(float *qkv, int64_t m_rows, int64_t n_heads, int64_t n_kv, int64_t d,
+                      const float *cos_r, const float *sin_r, int threads) {
+    int64_t width = (n_heads + 2 * n_kv) * d;
+#pragma omp parallel for schedule(static) num_threads(threads) if (m_rows >= ROWS_APART)
+    for (int64_t r = 0; r < m_rows; r++)
+        rope_row(qkv + r * width, n_heads + n_kv, d, cos_r + r * d, sin_r + r * d);
+}
+
+/* qkv [M, (H + 2 Hkv) * D] from the fused projection: RoPE on the q and k heads in place
+ * (cos/sin tables [positions, D]), then k and v written to the layer's cache
+ * [slots, Hkv, max_len, D] at (slot r, position pos[r]). */
 void disagg_rope_store(float *qkv, int64_t m_rows, int64_t n_heads, int64_t n_kv, int64_t d,
                        const int64_t *pos, const float *cos_t, const float *sin_t,
                        float *kcache, float *vcache, int64_t max_len) {
-    int64_t width = (n_heads + 2 * n_kv) * d, half = d / 2;
+    int64_t width = (n_heads + 2 * n_kv) * d;
     for (int64_t r = 0; r < m_rows; r++) {
         float *row = qkv + r * width;
-        const float *c = cos_t + pos[r] * d, *s = sin_t + pos[r] * d;
-        for (int64_t h = 0; h < n_heads + n_kv; h++) {
-            float *x = row + h * d;
-            float tmp[512];
-            for (int64_t j = 0; j < d; j++) tmp[j] = x[j];
-            for (int64_t j = 0; j < d; j++) {
-                float rot = j < half ? tmp[j + half] : tmp[j - half];
-                x[j] = tmp[j] * c[j] + rot * s[j];
-            }
-        }
+        rope_row(row, n_heads + n_kv, d, cos_t + pos[r] * d, sin_t + pos[r] * d);
         for (int64_t h = 0; h < n_kv; h++) {
             int64_t at = ((r * n_kv + h) * max_len + pos[r]) * d;
             memcpy(kcache + at, row + (n_heads + h) * d, (size_t)d * sizeof(float));
@@ -505,7 +526,8 @@ void disagg_decode_attention(const float *qkv, int64_t m_rows, int64_t n_heads, 
 }
 
 /* out[r, j] = silu(gu[r, j]) * gu[r, hidden + j]: the gate and up halves of the fused w13. */
-void disagg_silu_mul(const float *gu, int64_t m_rows, int64_t hidden, float *out) {
+void disagg_silu_mul(const float *gu, int64_t m_rows, int64_t hidden, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (m_rows >= ROWS_APART)
     for (int64_t r = 0; r < m_rows; r++) {
         const float *g = gu + r * 2 * hidden, *u = g + hidden;
         float *o = out + r * hidden;

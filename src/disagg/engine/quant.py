@@ -123,12 +123,13 @@ def _library() -> ctypes.CDLL | str:
     lib.disagg_q4_dequant.argtypes += [ctypes.c_int]
     lib.disagg_q8_0_dequant.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, ctypes.c_int]
     f32 = ctypes.c_float
-    lib.disagg_rms_norm.argtypes = [_ptr, _ptr, _i64, _i64, f32, _ptr]
+    lib.disagg_rms_norm.argtypes = [_ptr, _ptr, _i64, _i64, f32, _ptr, ctypes.c_int]
     lib.disagg_rope_store.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr]
     lib.disagg_rope_store.argtypes += [_ptr, _i64]
     lib.disagg_decode_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr]
     lib.disagg_decode_attention.argtypes += [_i64, f32, _ptr, _ptr, ctypes.c_int]
-    lib.disagg_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
+    lib.disagg_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
+    lib.disagg_rope_rows.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int]
     lib.disagg_qdot_matmul.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _i64]
     lib.disagg_qdot_matmul.argtypes += [_ptr, ctypes.c_int]
     lib.disagg_qdot_quantize.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr]
@@ -148,6 +149,7 @@ _VOID_FUNCTIONS = (
     "disagg_rope_store",
     "disagg_decode_attention",
     "disagg_silu_mul",
+    "disagg_rope_rows",
     "disagg_qdot_quantize",
 )
 
