@@ -6,8 +6,9 @@ of a 25 ms batch-1 step here; the matmuls are the blocks' own kernels either way
 Each row's arithmetic depends on nothing but that row (batch invariant, like the torch path,
 which pads attention to whole blocks for the same reason); it differs from the torch path's
 in the order of its sums (attention over exactly a row's own positions, its own softmax), so
-decode logits agree with it to ~1e-5, not bit for bit. Prefill's norms, RoPE and SiLU run
-these same C functions (layers.py `in_c`); its attention stays in torch.
+decode logits agree with it to ~1e-5, not bit for bit. Prefill's norms and SiLU run these
+same C functions, its RoPE the same per-row code (layers.py `in_c`); its attention stays in
+torch.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The row-wise pieces of a Llama layer: RMSNorm, rotary position embeddings, the split of
-the fused QKV projection and SiLU. Each row's result depends on that row alone, so the model
-(model.py) and the packed prefill (packed_prefill.py) share them without changing any row's
-bits.
+the fused QKV projection and SiLU, shared by the model (model.py) and the packed prefill
+(packed_prefill.py). In torch, a row's bits can depend on how torch splits an elementwise op
+among its threads (SiLU: packed_prefill.py calls it chunk by chunk for that); in C they
+depend on that row alone.
 
 `in_c` (the block-quantized CPU engine, whose kernels are built: Llama.fused) runs them in
 engine/qmatmul.c, as its decode steps do, rows split among the threads: one pass over the rows
@@ -67,7 +68,8 @@ def split_qkv(
     args: ModelArgs, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_c: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused projection's rows [M, (H + 2 H_kv) D] -> q [M, H, D], k/v [M, H_kv, D], with
-    RoPE applied to q and k (cos/sin: [M, 1, D]; in C, qkv's own rows are rotated)."""
+    RoPE applied to q and k (cos/sin: [M, 1, D]; in C, qkv, if contiguous, is rotated in
+    place). `in_c` needs what fused_decode.supported checks (head_dim <= 512, dims % 8)."""
     a = args
     if in_c:
         qkv = qkv.contiguous()

@@ -38,6 +38,7 @@
  * the same in any batch. Without AMX, TILES changes nothing.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -491,22 +492,44 @@ static int amx_few(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t 
 
 /* Scratch kept by each calling thread between calls (the rows' bf16 copy, the weight's
  * panels): a prompt's products reuse them instead of faulting in megabytes of fresh pages a
- * call. At most KEEP bytes each are kept; a larger need gets memory of its own, freed after. */
+ * call. At most KEEP bytes each are kept, and freed when the thread ends (request threads
+ * come and go); a larger need gets memory of its own, freed after the call. */
 #define KEEP (16 << 20)
-static __thread void *kept[2];
-static __thread size_t kept_bytes[2];
+typedef struct {
+    void *at[2];
+    size_t bytes[2];
+} kept_t;
+static pthread_key_t kept_key;
+static pthread_once_t kept_once = PTHREAD_ONCE_INIT;
+static int kept_ok;
+
+static void kept_free(void *p) {
+    kept_t *k = p;
+    free(k->at[0]);
+    free(k->at[1]);
+    free(k);
+}
+
+static void kept_init(void) { kept_ok = pthread_key_create(&kept_key, kept_free) == 0; }
 
 /* 64-byte aligned room for `bytes` (*fresh set: the caller frees it), or NULL */
 static void *scratch(int which, size_t bytes, int *fresh) {
     bytes = (bytes + 63) / 64 * 64;
-    *fresh = bytes > KEEP;
-    if (*fresh) return aligned_alloc(64, bytes);
-    if (bytes > kept_bytes[which]) {
-        free(kept[which]);
-        kept[which] = aligned_alloc(64, bytes);
-        kept_bytes[which] = kept[which] ? bytes : 0;
+    pthread_once(&kept_once, kept_init);
+    kept_t *k = kept_ok ? pthread_getspecific(kept_key) : NULL;
+    if (kept_ok && !k && bytes <= KEEP && (k = calloc(1, sizeof *k)) != NULL &&
+        pthread_setspecific(kept_key, k) != 0) {
+        free(k);
+        k = NULL;
     }
-    return kept[which];
+    *fresh = bytes > KEEP || !k;
+    if (*fresh) return aligned_alloc(64, bytes);
+    if (bytes > k->bytes[which]) {
+        free(k->at[which]);
+        k->at[which] = aligned_alloc(64, bytes);
+        k->bytes[which] = k->at[which] ? bytes : 0;
+    }
+    return k->at[which];
 }
 
 /* x [M, K] fp32 -> bf16 [M, K] (K a multiple of 32) */
@@ -529,11 +552,14 @@ static int multiply(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t
 #ifdef QBF16_AMX
     if (amx && m_rows <= FEW) return amx_few(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
     if (amx) { /* the panels made once for every block where there are several blocks and
-                * the kept scratch holds them all (every layer's weights; not the LM head's) */
+                * the kept scratch holds them all (SmolLM2-135M's layer weights; not its LM
+                * head, nor a larger model's biggest weights: those per block) */
         int fresh = 0;
         size_t bytes = (size_t)((n + AP - 1) / AP * AP * k / 2) * sizeof(uint32_t);
         uint32_t *all = m_rows > AB && bytes <= KEEP ? scratch(1, bytes, &fresh) : NULL;
-        return amx_matmul(xb, m_rows, k, qs, d, mn, fmt, n, y, all, threads);
+        int failed = amx_matmul(xb, m_rows, k, qs, d, mn, fmt, n, y, all, threads);
+        if (fresh) free(all);
+        return failed;
     }
 #endif
 #ifdef QBF16_SIMD

@@ -356,11 +356,11 @@ static void exp_shifted(float *v, int64_t n, float shift) {
     for (; i < n; i++) v[i] = exp_s(v[i] - shift);
 }
 
-/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for r < m_rows. */
 /* (the row-wise kernels below split their rows among `threads` from ROWS_APART rows on:
  * prompt rows; a row's arithmetic is the same whichever thread runs it) */
 #define ROWS_APART 64
 
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for r < m_rows. */
 void disagg_rms_norm(const float *x, const float *w, int64_t m_rows, int64_t dim, float eps,
                      float *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (m_rows >= ROWS_APART)
