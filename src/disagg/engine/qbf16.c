@@ -343,6 +343,14 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+/* the panel of the columns c..c+AP-1 (fewer at the end) of a weight of n columns into p */
+static void panel_at(const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t ng,
+                     int64_t n, int64_t c, uint32_t *p) {
+    int64_t bytes = ng * (fmt == Q8_0 ? GROUP : 16);
+    amx_panel(qs + c * bytes, d + c * ng, mn ? mn + c * ng : NULL, fmt, ng,
+              n - c < AP ? n - c : AP, p);
+}
+
 /* Rows in blocks of AB; in a block, panels split among the threads, each multiplied with
  * every AR rows of the block. xb holds whole AR-row blocks (zero rows at the end), 64-byte
  * aligned (a tile row then is one cache line, not two). With `all` (room for every panel of
@@ -352,7 +360,7 @@ typedef struct {
 static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t *qs,
                       const float *d, const float *mn, int fmt, int64_t n, float *y,
                       uint32_t *all, int threads) {
-    int64_t ng = k / GROUP, bytes = ng * (fmt == Q8_0 ? GROUP : 16), words = AP * k / 2;
+    int64_t ng = k / GROUP, words = AP * k / 2;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -368,8 +376,7 @@ static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8
         if (all) {
 #pragma omp for schedule(static)
             for (int64_t c = 0; c < n; c += AP)
-                amx_panel(qs + c * bytes, d + c * ng, mn ? mn + c * ng : NULL, fmt, ng,
-                          n - c < AP ? n - c : AP, all + c / AP * words);
+                panel_at(qs, d, mn, fmt, ng, n, c, all + c / AP * words);
         } /* (the loop's barrier: every panel made before any thread reads one) */
 #pragma omp barrier
         for (int64_t b0 = 0; !failed && b0 < m_rows; b0 += AB) {
@@ -378,9 +385,7 @@ static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8
             for (int64_t c = 0; c < n; c += AP) {
                 int64_t nc = n - c < AP ? n - c : AP;
                 uint32_t *p = all ? all + c / AP * words : own;
-                if (!all)
-                    amx_panel(qs + c * bytes, d + c * ng, mn ? mn + c * ng : NULL, fmt, ng, nc,
-                              p);
+                if (!all) panel_at(qs, d, mn, fmt, ng, n, c, p);
                 __asm__ volatile("" ::: "memory"); /* the panel's stores before the tile loads */
                 for (int64_t r0 = b0; r0 < b1; r0 += AR) {
                     int64_t nr = b1 - r0 < AR ? b1 - r0 : AR;
