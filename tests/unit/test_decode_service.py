@@ -183,14 +183,47 @@ class CountingEngine:
     ],
 )
 def test_under_load_several_tokens_go_out_per_response_none_lost(running, want):
-    service = DecodeService(CountingEngine(running), stream_interval=3, batch_slots=8).start()
+    engine = CountingEngine(running)
+    service = DecodeService(engine, stream_interval=3, batch_slots=8)  # driven by hand
+    sink = OrderSink()
+    service.submit("r", SamplingParams(max_tokens=10), sink, prompt_ids=[1])
+    while engine.has_unfinished:
+        service._deliver(engine.step(), engine.running)
+    assert sink.events[0] == ([], None)  # the acknowledgement
+    assert [tokens for tokens, _ in sink.events[1:]] == want
+    assert [f for _, f in sink.events[1:]] == [None] * (len(want) - 1) + ["length"]
+
+
+class GateSink(OrderSink):
+    """The first token's send waits until the test opens the gate (a busy tritonserver)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def send(self, token_ids, finish_reason, num_cached_tokens=0, logprobs=None):
+        if token_ids[:1] == [101]:
+            assert self.gate.wait(5)
+        super().send(token_ids, finish_reason)
+
+
+def test_the_loop_steps_on_while_a_send_waits_and_waiting_tokens_go_out_together():
+    engine = CountingEngine(running=1)  # light load: without waiting, one token a response
+    service = DecodeService(engine, stream_interval=3, batch_slots=8).start()
     try:
-        sink = OrderSink()
+        sink = GateSink()
         service.submit("r", SamplingParams(max_tokens=10), sink, prompt_ids=[1])
+        deadline = time.monotonic() + 5
+        while engine.has_unfinished and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not engine.has_unfinished  # every step ran while the first send was stuck
+        assert sink.events == [([], None)]
+        sink.gate.set()
         assert sink.done.wait(5)
-        assert sink.events[0] == ([], None)  # the acknowledgement
-        assert [tokens for tokens, _ in sink.events[1:]] == want
-        assert [f for _, f in sink.events[1:]] == [None] * (len(want) - 1) + ["length"]
+        got = sink.events[1:]
+        assert [t for tokens, _ in got for t in tokens] == list(range(101, 111))
+        assert [f for _, f in got] == [None] * (len(got) - 1) + ["length"]
+        assert len(got) <= 2  # what waited behind the stuck send went out in one
     finally:
         service.stop()
 
@@ -206,3 +239,27 @@ def test_held_tokens_go_out_when_the_load_drops():
     engine.running = 2
     service._deliver(engine.step(), engine.running)
     assert [t for t, _ in sink.events[1:]] == [[101], [102, 103, 104]]
+
+
+def test_waiting_responses_merge_per_request_in_order_never_past_a_final_or_a_failure():
+    from disagg.pipeline.decode_service import _coalesce, _Send
+
+    a, b = OrderSink(), OrderSink()
+    boom = RuntimeError("engine died")
+    sends = [
+        _Send("a", a, [1], num_cached_tokens=5),
+        _Send("b", b, [7]),
+        _Send("a", a, [2, 3]),
+        _Send("b", b, [8], "stop"),
+        _Send("b", b, [9]),  # (none comes after a final; if one did, it stays apart)
+        _Send("a", a, error=boom),
+        _Send("a", a, [4]),
+    ]
+    got = [(s.rid, s.tokens, s.finish, s.num_cached_tokens, s.error) for s in _coalesce(sends)]
+    assert got == [
+        ("a", [1, 2, 3], None, 5, None),
+        ("b", [7, 8], "stop", 0, None),
+        ("b", [9], None, 0, None),
+        ("a", [], None, 0, boom),
+        ("a", [4], None, 0, None),
+    ]
