@@ -35,7 +35,7 @@ class Topology:
     burst_prefill_tokens: int = 2048  # EngineConfig.burst_prefill_tokens
     max_model_len: int = 2048
     max_queue: int = 256  # EngineConfig.max_queue: waiting sequences before refusals
-    stream_interval: int = 2  # settings.decode_stream_interval
+    stream_interval: int = 4  # settings.decode_stream_interval
     # how the frontend picks a replica: least_loaded is remote/replicas.py ReplicaSet (what
     # the cluster runs), round_robin takes them in turn
     router: str = LEAST_LOADED
