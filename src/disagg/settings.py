@@ -74,10 +74,8 @@ class ServeSettings:
     # migration), beside its running batch; a longer prompt takes several steps
     decode_prefill_chunk: int = 64  # benchmarks/itl_bench.py: p99 ITL <= 2x p50 under long prompts
     # under load (over half of decode_max_num_seqs running) each response carries this many
-    # tokens, sent every this many steps; otherwise every token goes out as it is made. Each
-    # response crosses four processes, whose CPU the engine's threads lose twice over on a
-    # small machine: 4 served the chat loop 1.12-1.16x faster than 2 (docs/benchmarks.md)
-    decode_stream_interval: int = 4
+    # tokens, sent every this many steps; otherwise every token goes out as it is made
+    decode_stream_interval: int = 4  # 2 -> 4: chat loop served 1.14x (docs/benchmarks.md)
     max_model_len: int = 2048  # prompt + output tokens
     # prefix cache of each prefill and decode instance, in tokens (46 KB each in fp32 here):
     # K/V of earlier prompts and replies reused by later prompts that start the same way;
