@@ -164,8 +164,8 @@ def test_past_decode_recover_s_each_stream_ends_with_a_clear_error(impatient, to
     assert counts == {"completed": 0, "error": len(PROMPTS), "hung": 0}, streams.got
     for prompt, (_, message, ended) in streams.got.items():
         assert f"not back within {IMPATIENT_S:g} s" in str(message), (prompt, message)
-        # bounded: the orchestrator fails them ~2 s after the kill (a second to notice the
-        # death, one of waiting), but Triton delivered those final responses only once
+        # bounded: the orchestrator fails them soon after the kill (a second to notice the
+        # death, then IMPATIENT_S of waiting), but Triton delivered those final responses only once
         # decode's reload had finished (9 s after the kill on two busy cores)
         assert ended - streams.killed < 30, f"{prompt}: {ended - streams.killed:.1f} s"
     serves_again(impatient)
