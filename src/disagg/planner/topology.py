@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, MODES
 from disagg.engine.config import EngineConfig
 from disagg.errors import ConfigError
-
-if TYPE_CHECKING:
-    from disagg.settings import ServeSettings
+from disagg.settings import ServeSettings
 
 LEAST_LOADED, ROUND_ROBIN = "least_loaded", "round_robin"
 ROUTERS = (LEAST_LOADED, ROUND_ROBIN)
@@ -30,12 +28,13 @@ class Topology:
     mode: str  # colocated | disaggregated | conditional (contracts.MODES)
     num_prefill: int = 1  # prefill replicas (0 in colocated mode); each one engine instance
     num_decode: int = 1  # decode replicas, each one DecodeEngine
-    max_num_seqs: int = 16  # settings.decode_max_num_seqs
-    prefill_chunk: int = 64  # settings.decode_prefill_chunk
-    burst_prefill_tokens: int = 2048  # EngineConfig.burst_prefill_tokens
-    max_model_len: int = 2048
-    max_queue: int = 256  # EngineConfig.max_queue: waiting sequences before refusals
-    stream_interval: int = 4  # settings.decode_stream_interval
+    # the engine limits: the server's defaults
+    max_num_seqs: int = ServeSettings.decode_max_num_seqs
+    prefill_chunk: int = ServeSettings.decode_prefill_chunk
+    burst_prefill_tokens: int = EngineConfig.burst_prefill_tokens
+    max_model_len: int = ServeSettings.max_model_len
+    max_queue: int = EngineConfig.max_queue  # waiting sequences before refusals
+    stream_interval: int = ServeSettings.decode_stream_interval
     # how the frontend picks a replica: least_loaded is remote/replicas.py ReplicaSet (what
     # the cluster runs), round_robin takes them in turn
     router: str = LEAST_LOADED
