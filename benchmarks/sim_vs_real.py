@@ -159,8 +159,9 @@ def calibrated(profile: Profile, residuals: list[tuple[float, float]], source: s
 
 def calibration_note(
     profile: Profile, residuals: list[tuple[float, float]], out: Path, source: str
-) -> str:
-    """The unloaded residuals, and the calibrated profile written where they can be hops."""
+) -> tuple[str, Profile | None]:
+    """The unloaded residuals, and the calibrated profile (written to <out>) where they can
+    be hops; None where they cannot."""
     ttft = _median([r[0] for r in residuals]) * 1e3
     tpot = _median([r[1] for r in residuals]) * 1e3
     text = (
@@ -174,12 +175,13 @@ def calibration_note(
             ": predicted slower than measured by more than the overheads hold, so the "
             "profile itself does not fit this machine now (measured under other load, or "
             "elsewhere?): profile again; no calibrated profile written.\n"
-        )
-    calibrated(profile, residuals, source).save(out / "profile.calibrated.json")
+        ), None
+    fitted = calibrated(profile, residuals, source)
+    fitted.save(out / "profile.calibrated.json")
     return text + (
         f"; {out}/profile.calibrated.json moves the profile's overheads by them (rerun "
         "with --profile it and --measured to check the loaded rows).\n"
-    )
+    ), fitted
 
 
 def parser() -> argparse.ArgumentParser:
@@ -200,7 +202,44 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-factor", type=float, default=2.0)
     p.add_argument("--slo", action="append", default=[], metavar="CLASS=TTFT_MS:TPOT_MS")
     p.add_argument("--out", default="results/sim_vs_real")
+    p.add_argument(
+        "--fit-loaded", action="store_true",
+        help="also fit send_s and contention to the loaded rates (planner/calibrate.py), "
+        "after the unloaded calibration: <out>/profile.fitted.json, to check on another run",
+    )  # fmt: skip
     return p
+
+
+def fit_note(
+    profile: Profile, runs: list[tuple[dict[str, Any], Topology, SweepConfig]], out: Path,
+    a: argparse.Namespace,
+) -> str:  # fmt: skip
+    """Fits the loaded rates (planner/calibrate.py), writes profile.fitted.json and says how
+    many checks the fitted profile meets on the run it was fitted to (in sample)."""
+    from tqdm import tqdm
+
+    from disagg.planner.calibrate import CONTENTION_GRID, SEND_GRID_S, fit_loaded
+
+    def simulate(p: Profile, i: int) -> dict[str, Any]:
+        return simulate_sweep(p, runs[i][1], runs[i][2], label=runs[i][1].name)
+
+    with tqdm(total=len(SEND_GRID_S) * len(CONTENTION_GRID), desc="fit", file=sys.stderr) as bar:
+        fit = fit_loaded(profile, [r[0] for r in runs], simulate, progress=lambda: bar.update())
+    fitted = fit.profile.with_overheads(
+        source=profile.overheads.source + "; send_s and contention fitted to its loaded rates"
+    )
+    fitted.save(out / "profile.fitted.json")
+    met = total = 0
+    for i, (measured, topology, _) in enumerate(runs):
+        _, m, t = compare(topology.name, measured, simulate(fitted, i), a)
+        met, total = met + m, total + t
+    o = fitted.overheads
+    return (
+        f"\nFitted to the loaded rates: send_s {1e3 * o.send_s:.1f} ms a response, step_s "
+        f"{1e3 * o.step_s:.1f} ms a step, contention {o.contention:g} (mean |log error| "
+        f"{fit.error:.3f}); in sample {met} of {total} checks within target. {out}/"
+        "profile.fitted.json: check it on another run's --measured.\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             "| ITL p99 (not a target) |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     doc, met, total = [], 0, 0
     residuals: list[tuple[float, float]] = []
+    runs: list[tuple[dict[str, Any], Topology, SweepConfig]] = []
     for workload in a.workloads.split(","):
         rows = []
         for name in a.modes.split(","):
@@ -234,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             (out / f"{workload}-{name}.predicted.json").write_text(json.dumps(predicted))
             table, m, t = compare(f"{name} ({topology.name})", measured, predicted, a)
             residuals.append(unloaded_residuals(measured, predicted))
+            runs.append((measured, topology, cfg))
             rows.append(table)
             met, total = met + m, total + t
         if rows:
@@ -241,7 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     text = (f"Predicted (from {a.profile}: {profile.describe().splitlines()[0]}) against "
             f"measured; {met} of {total} checks within target.\n\n" + "\n".join(doc))  # fmt: skip
     if residuals:
-        text += calibration_note(profile, residuals, out, f"{measured_dir} ({a.workloads})")
+        note, unloaded = calibration_note(
+            profile, residuals, out, f"{measured_dir} ({a.workloads})"
+        )
+        text += note
+        if a.fit_loaded and unloaded is not None:
+            text += fit_note(unloaded, runs, out, a)
     print(text)
     (out / "sim_vs_real.md").write_text(text)
     return 0

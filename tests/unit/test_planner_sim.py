@@ -77,13 +77,14 @@ def test_a_step_overhead_is_paid_once_a_step_and_a_send_once_a_sequence(batch):
     assert gaps == pytest.approx([P.decode(batch, 0) + batch * SEND + 0.004] * 14)
 
 
-def test_overheads_without_a_step_cost_read_as_zero():
+def test_overheads_without_a_step_cost_or_contention_read_as_before():
     from disagg.planner.profile import Overheads
 
     old = {"dispatch_s": 0.005, "return_s": 0.001, "send_s": 0.0001, "source": "older file"}
     assert Overheads.from_json(old).step_s == 0.0
-    again = Overheads.from_json(Overheads(0.005, 0.001, 0.0001, 0.004, "x").to_json())
-    assert again.step_s == 0.004
+    assert Overheads.from_json(old).contention == 1.0  # fair sharing, as before the field
+    again = Overheads.from_json(Overheads(0.005, 0.001, 0.0001, 0.004, 1.5, "x").to_json())
+    assert (again.step_s, again.contention, again.source) == (0.004, 1.5, "x")
 
 
 def test_a_bigger_batch_decodes_each_sequence_slower():

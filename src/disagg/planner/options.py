@@ -40,7 +40,8 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", choices=ROUTERS, default=d.router, help="replica choice")
     p.add_argument(
         "--contention", type=float, default=d.contention,
-        help="@shared topologies: how much pools on the same cores slow each other (0-1)",
+        help="@shared topologies: how much pools on the same cores slow each other (0: not at "
+        "all, 1: fair sharing, more: worse than fair; default: the profile's, else 1)",
     )  # fmt: skip
 
 

@@ -53,6 +53,11 @@ class Overheads:
     # decode's time per step outside the engine's forward (scheduler, Python, the served
     # loop's bookkeeping): what calibration on served runs finds (benchmarks/sim_vs_real.py)
     step_s: float = 0.0
+    # how much jobs on one machine's cores slow each other (planner/clock.py Node): 1 is fair
+    # sharing; two processes each splitting their work among the same cores lose more (a
+    # parallel region waits for a preempted thread: docs/benchmarks.md "Served against the
+    # engine"). What a loaded calibration finds (planner/calibrate.py), else 1
+    contention: float = 1.0
     source: str = (
         "assumed from docs/benchmarks.md 'Served pipeline' (2026-11-29): served TTFT was 8.1 ms "
         "over the in-process engine's; sending responses was ~9% of the decode loop"
@@ -60,12 +65,14 @@ class Overheads:
 
     def to_json(self) -> dict[str, Any]:
         return {"dispatch_s": self.dispatch_s, "return_s": self.return_s,
-                "send_s": self.send_s, "step_s": self.step_s, "source": self.source}  # fmt: skip
+                "send_s": self.send_s, "step_s": self.step_s, "contention": self.contention,
+                "source": self.source}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Overheads:
         return cls(float(d["dispatch_s"]), float(d["return_s"]), float(d["send_s"]),
-                   float(d.get("step_s", 0.0)), str(d.get("source", "")))  # fmt: skip
+                   float(d.get("step_s", 0.0)), float(d.get("contention", 1.0)),
+                   str(d.get("source", "")))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -152,13 +152,14 @@ class Simulator:
         self.load = LoadTracker()
         self.counts: Counter[str] = Counter()
         t = topology
-        shared = Node(self.loop, "server", t.contention) if t.shared else None
+        contention = profile.overheads.contention if t.contention is None else t.contention
+        shared = Node(self.loop, "server", contention) if t.shared else None
         self.nodes = [shared] if shared else []
 
         def node(name: str) -> Node:
             if shared is not None:
                 return shared
-            self.nodes.append(Node(self.loop, name, t.contention))
+            self.nodes.append(Node(self.loop, name, contention))
             return self.nodes[-1]
 
         prefill = [

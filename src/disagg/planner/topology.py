@@ -39,9 +39,10 @@ class Topology:
     # the cluster runs), round_robin takes them in turn
     router: str = LEAST_LOADED
     # every pool on one machine's cores (one server): their work slows each other by
-    # `contention` (planner/clock.py Node); else a node per replica, as `bench cluster` runs
+    # `contention` (planner/clock.py Node; None: the profile's); else a node per replica, as
+    # `bench cluster` runs
     shared: bool = False
-    contention: float = 1.0
+    contention: float | None = None
     # the conditional mode's prior for a remote prefill's stall of decode (CostParams); None:
     # 0.5 on shared cores, 0 on separate nodes (as settings and bench/topology.py set it)
     remote_stall: float | None = None
