@@ -41,9 +41,9 @@ class ServeSettings:
     metrics_port: int = 8002
     triton_server: str = ""  # a tritonserver binary (e.g. NVIDIA's image); "" = nvidia-pytriton's
     triton_backends: str = ""  # its --backend-directory, with triton_server
-    # a model whose stub died and that is not READY again this long after its reload began is
-    # given up on: the whole tritonserver is restarted (see serve/supervisor.py)
+    # a dead stub's model not READY again this long after its reload: tritonserver restarted
     recover_timeout_s: float = 60.0
+    stub_frozen_s: float = 20.0  # a stub whose Python ran not at all this long: same restart
     # once this many stubs died since tritonserver started, or with any dead its threads grew
     # by this share, it is replaced losing no gateway request (serve/recycle.py); 0: off
     recycle_after_faults: int = 3

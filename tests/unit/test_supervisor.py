@@ -160,3 +160,77 @@ def test_a_stub_that_exits_wakes_the_supervisor_before_its_next_check(monkeypatc
         stub.kill()
         stub.wait()
     assert not s._thread.is_alive() and time.monotonic() - stopped < 2.0  # stop() wakes it too
+
+
+def _beating(monkeypatch, tmp_path, frozen_after_s=30.0):
+    s = Scripted(monkeypatch, stubs=lambda: {11: ("router", ""), 12: ("decode", "")})
+    s.heartbeat_dir, s.frozen_after_s = tmp_path, frozen_after_s
+    s.ready = {"router", "decode"}
+    s.live = Counter(router=1, decode=1)
+    return s
+
+
+def _beat(tmp_path, pid, t):
+    import os
+
+    path = tmp_path / str(pid)
+    path.touch()
+    os.utime(path, ns=(int(t * 1e9), int(t * 1e9)))
+
+
+def test_a_stub_whose_heartbeat_stands_still_restarts_the_server(monkeypatch, tmp_path):
+    """A stub alive but running no Python (python_backend's BLS deadlock, or SIGSTOP): its
+    heartbeat file stops changing, and frozen_after_s of watching later the server goes."""
+    s = _beating(monkeypatch, tmp_path)
+    for t in range(0, 31):  # both beat for 30 s, then the router's stops
+        _beat(tmp_path, 11, t)
+        _beat(tmp_path, 12, t)
+        s.check(now=float(t))
+    for t in range(31, 61):
+        _beat(tmp_path, 12, t)
+        s.check(now=float(t))
+    assert s.wedged_calls == [] and s.wedged is None  # 30 s still: not yet over
+    _beat(tmp_path, 12, 61.5)
+    s.check(now=61.5)
+    assert s.wedged_calls == ["router"] and s.wedged == "router"
+    s.check(now=62.5)
+    assert s.wedged_calls == ["router"]  # once
+
+
+def test_stubs_without_a_heartbeat_or_a_supervisor_that_was_away_are_not_judged(
+    monkeypatch, tmp_path
+):
+    s = _beating(monkeypatch, tmp_path, frozen_after_s=5.0)
+    _beat(tmp_path, 11, 0)  # the router beat once; decode never did (still loading)
+    for t in range(0, 5):
+        s.check(now=float(t))
+    # this process was stopped for a minute (the whole server SIGSTOPped): on waking, the
+    # stubs' still files say nothing about them yet
+    s.check(now=65.0)
+    assert s.wedged_calls == []
+    _beat(tmp_path, 11, 66)
+    for t in range(66, 71):
+        s.check(now=float(t))
+    assert s.wedged_calls == []
+    monkeypatch.setattr(sup, "_stopped", lambda pid: True)  # tritonserver itself frozen
+    s.check(now=71.5)
+    assert s.wedged_calls == []  # a whole server stopped on purpose: no stub's fault
+    monkeypatch.setattr(sup, "_stopped", lambda pid: False)
+    for t in range(72, 77):
+        s.check(now=float(t))
+    s.check(now=77.5)  # 5.5 s of watching a running server since
+    assert s.wedged_calls == ["router"]
+
+
+def test_a_real_heartbeat_thread_keeps_its_file_fresh(tmp_path):
+    import os
+
+    from disagg import heartbeat
+
+    thread = heartbeat.start(tmp_path, interval_s=0.05)
+    path = heartbeat.path_of(tmp_path, os.getpid())
+    first = path.stat().st_mtime_ns
+    deadline = time.monotonic() + 5
+    while path.stat().st_mtime_ns == first and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert path.stat().st_mtime_ns != first and thread.daemon and thread.is_alive()

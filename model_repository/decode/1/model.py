@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from disagg import contracts as C
+from disagg import heartbeat
 from disagg.cancel import CancelRegistry
 from disagg.engine.config import load_model_args
 from disagg.engine.llm_engine import DecodeEngine
@@ -39,6 +40,7 @@ class TritonPythonModel:
         self.max_num_seqs = p.decode_max_num_seqs
         self.last_load = (0, 0)
         self.kv_bytes_per_token = max(load_model_args(p.engine_dir).kv_bytes_per_token, 1)
+        heartbeat.start(Path(p.run_dir) / "heartbeat")  # (serve/supervisor.py)
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.service = DecodeService(
             engine,

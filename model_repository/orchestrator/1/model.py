@@ -9,6 +9,7 @@ which Triton's HTTP endpoint refuses for decoupled models)."""
 import dataclasses
 from pathlib import Path
 
+from disagg import heartbeat
 from disagg.cancel import CancelRegistry
 from disagg.codec.generate import OrchestratorRequest
 from disagg.engine.config import load_model_args
@@ -44,6 +45,7 @@ class TritonPythonModel:
         self.model_name = args["model_name"]  # orchestrator or orchestrator_sync
         self.tokenizer = Tokenizer(p.engine_dir)
         self.max_tokens_default = p.max_tokens_default
+        heartbeat.start(Path(p.run_dir) / "heartbeat")  # (serve/supervisor.py)
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         metrics = pb_metrics.OrchestratorMetrics(args["model_name"])
         cost = CostParams(

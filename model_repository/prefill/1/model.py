@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from disagg import heartbeat
 from disagg.cancel import CancelRegistry
 from disagg.engine.llm_engine import PrefillEngine
 from disagg.engine.model import Llama
@@ -25,6 +26,7 @@ class TritonPythonModel:
         pb.configure_logging()
         p = pb.model_parameters(args).typed(PrefillParams)
         self.pid = os.getpid()
+        heartbeat.start(Path(p.run_dir) / "heartbeat")  # (serve/supervisor.py)
         self.cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.metrics = pb_metrics.PrefillMetrics(args["model_instance_name"])
         self.trtllm = None

@@ -9,6 +9,7 @@ request, for KServe v2 /infer)."""
 from pathlib import Path
 
 from disagg import contracts as C
+from disagg import heartbeat
 from disagg.cancel import CancelRegistry
 from disagg.codec.generate import RouterRequest
 from disagg.engine.tokenizer import Tokenizer
@@ -30,6 +31,7 @@ class TritonPythonModel:
         self.tokenizer = Tokenizer(p.engine_dir)
         self.default_model = p.served_model_name
         self.max_tokens_default = p.max_tokens_default
+        heartbeat.start(Path(p.run_dir) / "heartbeat")  # (serve/supervisor.py)
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.router = Router(
             PolicySource(p.router_policy),  # an invalid policy fails the model load, loudly

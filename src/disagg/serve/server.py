@@ -265,6 +265,8 @@ class TritonServer:
                         self.admin_key,
                         recover_timeout_s=self.settings.recover_timeout_s,
                         on_wedged=self._kill,
+                        heartbeat_dir=self.run_dir / "heartbeat",
+                        frozen_after_s=self.settings.stub_frozen_s,
                     ).start()
                 return
             time.sleep(0.5)

@@ -16,6 +16,13 @@ READY with all its stubs; past that the supervisor gives up on the model and cal
 it again). Meanwhile the server is not ready (strict readiness), and so neither is the
 gateway's /ready.
 
+A stub can also stop without dying: python_backend's decoupled BLS can deadlock one for good
+(docs/reliability.md, "A stub whose Python stops"). Each model's stub touches a heartbeat
+file from a Python thread (disagg/heartbeat.py); one whose file has not changed for
+`frozen_after_s` of this supervisor's own watching is wedged, and the server is restarted as
+above (a stub caught in that deadlock leaves tritonserver's threads waiting on it, so
+restarting the model alone would not do).
+
 Each replaced stub is reaped by tritonserver itself; the shared memory region it leaves in
 /dev/shm is removed once the stub is gone (`remove_stale_regions`).
 """
@@ -34,6 +41,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from disagg import heartbeat
 from disagg.process import stub_args
 
 log = logging.getLogger("disagg.supervisor")
@@ -58,6 +66,14 @@ def stub_processes(server_pid: int) -> dict[int, tuple[str, str]]:
             model = Path(args[1].decode()).parent.parent.name  # <repo>/<model>/<v>/model.py
             stubs[int(entry.name)] = (model, args[2].decode())
     return stubs
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, a debugger), as a hung node's is."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
+    except (OSError, IndexError):
+        return False
 
 
 class ExitWatch:
@@ -127,6 +143,8 @@ class StubSupervisor:
         interval_s: float = 1.0,
         recover_timeout_s: float = 60.0,
         on_wedged: Callable[[str], None] | None = None,
+        heartbeat_dir: str | Path | None = None,
+        frozen_after_s: float = 20.0,
     ) -> None:
         self.server_pid = server_pid
         self.http_url = http_url
@@ -134,6 +152,10 @@ class StubSupervisor:
         self.interval_s = interval_s
         self.recover_timeout_s = recover_timeout_s
         self.on_wedged = on_wedged
+        self.heartbeat_dir = None if heartbeat_dir is None else Path(heartbeat_dir)
+        self.frozen_after_s = frozen_after_s
+        self._beats: dict[int, tuple[int, float]] = {}  # pid -> (file mtime, when it changed)
+        self._last_check: float | None = None
         # READY python models -> stubs their config asks for
         self.expected: Counter[str] = Counter()
         self.recovering: dict[str, float] = {}  # model -> monotonic deadline of its reload
@@ -197,6 +219,8 @@ class StubSupervisor:
         self._check_recovering(live, now)
         if self.wedged is not None:
             return
+        if self._frozen_stub(stubs, now):
+            return
         ready = self._ready_models()
         for model in list(self.expected):
             if model not in ready and model not in self.recovering:  # an operator's unload
@@ -235,6 +259,39 @@ class StubSupervisor:
                 )  # fmt: skip
                 if self.on_wedged is not None:
                     self.on_wedged(model)
+
+    def _frozen_stub(self, stubs: dict[int, tuple[str, str]], now: float) -> bool:
+        """Whether a stub's heartbeat stood still for frozen_after_s (then the server is
+        restarted). Only stubs that have beaten once are judged (a stub still loading, or a
+        model without a heartbeat, is not), and only over time this supervisor was watching:
+        after a gap between checks (this process stopped, or a check that took long), or
+        while tritonserver itself is stopped (a hung node frozen whole), every stub's time
+        starts again."""
+        if self.heartbeat_dir is None:
+            return False
+        away = self._last_check is not None and now - self._last_check > 3 * self.interval_s
+        if away or _stopped(self.server_pid):  # (a whole server stopped is no stub's fault)
+            self._beats.clear()
+        self._last_check = now
+        beats = {}
+        for pid, (model, _) in stubs.items():
+            try:
+                mtime = os.stat(heartbeat.path_of(self.heartbeat_dir, pid)).st_mtime_ns
+            except OSError:
+                continue
+            seen, since = self._beats.get(pid, (mtime, now))
+            beats[pid] = (mtime, now if mtime != seen else since)
+            if now - beats[pid][1] > self.frozen_after_s:
+                self.wedged = model
+                log.error(
+                    "a stub of model %r (pid %d) has run no Python for %.0f s (frozen or "
+                    "deadlocked); restarting the server", model, pid, now - beats[pid][1],
+                )  # fmt: skip
+                if self.on_wedged is not None:
+                    self.on_wedged(model)
+                return True
+        self._beats = beats
+        return False
 
     def _start_reload(self, model: str) -> None:
         log.warning("a stub of model %r died; restarting the model", model)
