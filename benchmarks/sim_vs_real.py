@@ -33,6 +33,7 @@ from disagg.bench import workloads as W
 from disagg.bench.cli import DEFAULT_RATES, MODES, sweep_each
 from disagg.bench.stats import Dist
 from disagg.bench.sweep import SweepConfig
+from disagg.planner.calibrate import log_errors
 from disagg.planner.profile import Profile
 from disagg.planner.sweep import simulate_sweep
 from disagg.planner.topology import Topology
@@ -123,6 +124,10 @@ def compare(
         lines.append(f"| {name} | goodput | {cls} | | {pred['goodput'][cls]:g} / {g:g} req/s"
                      f"{' ok' if ok else ' **x**'} | | | |")  # fmt: skip
     return "\n".join(lines), met, total
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 def _median(values: list[float]) -> float:
@@ -257,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     doc, met, total = [], 0, 0
     residuals: list[tuple[float, float]] = []
     runs: list[tuple[dict[str, Any], Topology, SweepConfig]] = []
+    errors: list[float] = []  # |log(predicted / measured)| of the loaded rates' checked figures
     for workload in a.workloads.split(","):
         rows = []
         for name in a.modes.split(","):
@@ -275,12 +281,15 @@ def main(argv: list[str] | None = None) -> int:
             table, m, t = compare(f"{name} ({topology.name})", measured, predicted, a)
             residuals.append(unloaded_residuals(measured, predicted))
             runs.append((measured, topology, cfg))
+            errors += log_errors(measured, predicted)
             rows.append(table)
             met, total = met + m, total + t
         if rows:
             doc.append(f"**{workload}**\n\n{head}\n" + "\n".join(rows) + "\n")
     text = (f"Predicted (from {a.profile}: {profile.describe().splitlines()[0]}) against "
-            f"measured; {met} of {total} checks within target.\n\n" + "\n".join(doc))  # fmt: skip
+            f"measured; {met} of {total} checks within target; mean |log(predicted / measured)| "
+            f"of the loaded rates' TTFT p50, p90 and TPOT p50 {_mean(errors):.3f}.\n\n"
+            + "\n".join(doc))  # fmt: skip
     if residuals:
         note, unloaded = calibration_note(
             profile, residuals, out, f"{measured_dir} ({a.workloads})"

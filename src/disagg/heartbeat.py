@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from pathlib import Path
 
 INTERVAL_S = 1.0
@@ -23,23 +22,21 @@ def path_of(directory: str | Path, pid: int) -> Path:
     return Path(directory) / str(pid)
 
 
-def start(directory: str | Path, interval_s: float = INTERVAL_S) -> threading.Thread:
+def start(
+    directory: str | Path, interval_s: float = INTERVAL_S, stop: threading.Event | None = None
+) -> threading.Thread:
     """Touches <directory>/<this pid> every `interval_s` from a daemon thread, the first
-    time before returning."""
+    time before returning, until `stop` is set (a stub's: until it exits). Start it once a
+    model's initialize has loaded everything: a stub that never beat is not judged."""
     path = path_of(directory, os.getpid())
     path.parent.mkdir(parents=True, exist_ok=True)
-
-    def beat() -> None:
-        path.touch()
-        os.utime(path)  # (touch leaves the time alone on some filesystems when it exists)
-
-    beat()
+    path.touch()
+    stopped = stop or threading.Event()
 
     def run() -> None:
-        while True:
-            time.sleep(interval_s)
+        while not stopped.wait(interval_s):
             with contextlib.suppress(OSError):  # (the run directory gone: the server stops)
-                beat()
+                path.touch()
 
     thread = threading.Thread(target=run, name="heartbeat", daemon=True)
     thread.start()

@@ -43,7 +43,7 @@ class ServeSettings:
     triton_backends: str = ""  # its --backend-directory, with triton_server
     # a dead stub's model not READY again this long after its reload: tritonserver restarted
     recover_timeout_s: float = 60.0
-    stub_frozen_s: float = 20.0  # a stub whose Python ran not at all this long: same restart
+    stub_frozen_s: float = 20.0  # a stub running no Python this long: same restart (0: off)
     # once this many stubs died since tritonserver started, or with any dead its threads grew
     # by this share, it is replaced losing no gateway request (serve/recycle.py); 0: off
     recycle_after_faults: int = 3

@@ -162,11 +162,13 @@ def test_a_stub_that_exits_wakes_the_supervisor_before_its_next_check(monkeypatc
     assert not s._thread.is_alive() and time.monotonic() - stopped < 2.0  # stop() wakes it too
 
 
-def _beating(monkeypatch, tmp_path, frozen_after_s=30.0):
+def _beating(monkeypatch, tmp_path, frozen_after_s=30.0, states=None):
     s = Scripted(monkeypatch, stubs=lambda: {11: ("router", ""), 12: ("decode", "")})
     s.heartbeat_dir, s.frozen_after_s = tmp_path, frozen_after_s
     s.ready = {"router", "decode"}
     s.live = Counter(router=1, decode=1)
+    states = {} if states is None else states  # pid -> state letter; "S" otherwise
+    monkeypatch.setattr(sup, "_state", lambda pid: states.get(pid, "S"))
     return s
 
 
@@ -197,40 +199,76 @@ def test_a_stub_whose_heartbeat_stands_still_restarts_the_server(monkeypatch, tm
     assert s.wedged_calls == ["router"]  # once
 
 
-def test_stubs_without_a_heartbeat_or_a_supervisor_that_was_away_are_not_judged(
-    monkeypatch, tmp_path
-):
-    s = _beating(monkeypatch, tmp_path, frozen_after_s=5.0)
+def test_only_time_watching_a_running_stub_counts(monkeypatch, tmp_path):
+    states = {}
+    s = _beating(monkeypatch, tmp_path, frozen_after_s=10.0, states=states)
     _beat(tmp_path, 11, 0)  # the router beat once; decode never did (still loading)
     for t in range(0, 5):
-        s.check(now=float(t))
-    # this process was stopped for a minute (the whole server SIGSTOPped): on waking, the
-    # stubs' still files say nothing about them yet
-    s.check(now=65.0)
+        s.check(now=float(t))  # 4 s watched
+    s.check(now=65.0)  # this process was away a minute: counted as 3 s at most
     assert s.wedged_calls == []
     _beat(tmp_path, 11, 66)
     for t in range(66, 71):
+        s.check(now=float(t))  # changed at 66: 4 s since
+    states[1] = "T"  # tritonserver itself frozen (a hung node, on purpose): not counted
+    for t in range(71, 81):
+        s.check(now=float(t))
+    states[1] = "S"
+    states[11] = "t"  # a debugger holds the stub: not counted either
+    for t in range(81, 91):
+        s.check(now=float(t))
+    del states[11]
+    for t in range(91, 97):
+        s.check(now=float(t))
+    assert s.wedged_calls == []  # 10.0 s: not over
+    s.check(now=96.5)
+    assert s.wedged_calls == ["router"]
+
+
+def test_a_model_being_reloaded_is_not_judged_and_a_gone_stubs_file_is_removed(
+    monkeypatch, tmp_path
+):
+    s = _beating(monkeypatch, tmp_path, frozen_after_s=5.0)
+    _beat(tmp_path, 11, 0)
+    s.recovering["router"] = 1e9  # its reload under way: its stubs may be tearing down
+    monkeypatch.setattr(s, "_check_recovering", lambda live, now: None)  # (held so)
+    for t in range(0, 20):
         s.check(now=float(t))
     assert s.wedged_calls == []
-    monkeypatch.setattr(sup, "_stopped", lambda pid: True)  # tritonserver itself frozen
-    s.check(now=71.5)
-    assert s.wedged_calls == []  # a whole server stopped on purpose: no stub's fault
-    monkeypatch.setattr(sup, "_stopped", lambda pid: False)
-    for t in range(72, 77):
+    s.recovering.clear()
+    _beat(tmp_path, 12, 0)
+    s.check(now=20.0)
+    assert (tmp_path / "11").exists()
+    s.live = Counter(decode=1)
+    monkeypatch.setattr(sup, "stub_processes", lambda pid: {12: ("decode", "")})
+    s.check(now=21.0)
+    assert not (tmp_path / "11").exists() and (tmp_path / "12").exists()
+
+
+def test_a_frozen_limit_of_zero_judges_nothing(monkeypatch, tmp_path):
+    s = _beating(monkeypatch, tmp_path, frozen_after_s=0.0)
+    _beat(tmp_path, 11, 0)
+    for t in range(0, 100, 10):
         s.check(now=float(t))
-    s.check(now=77.5)  # 5.5 s of watching a running server since
-    assert s.wedged_calls == ["router"]
+    assert s.wedged_calls == []
 
 
 def test_a_real_heartbeat_thread_keeps_its_file_fresh(tmp_path):
     import os
+    import threading
 
     from disagg import heartbeat
 
-    thread = heartbeat.start(tmp_path, interval_s=0.05)
-    path = heartbeat.path_of(tmp_path, os.getpid())
-    first = path.stat().st_mtime_ns
-    deadline = time.monotonic() + 5
-    while path.stat().st_mtime_ns == first and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert path.stat().st_mtime_ns != first and thread.daemon and thread.is_alive()
+    stop = threading.Event()
+    thread = heartbeat.start(tmp_path, interval_s=0.05, stop=stop)
+    try:
+        path = heartbeat.path_of(tmp_path, os.getpid())
+        first = path.stat().st_mtime_ns
+        deadline = time.monotonic() + 5
+        while path.stat().st_mtime_ns == first and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert path.stat().st_mtime_ns != first and thread.daemon and thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+    assert not thread.is_alive()

@@ -40,7 +40,6 @@ class TritonPythonModel:
         self.max_num_seqs = p.decode_max_num_seqs
         self.last_load = (0, 0)
         self.kv_bytes_per_token = max(load_model_args(p.engine_dir).kv_bytes_per_token, 1)
-        heartbeat.start(Path(p.run_dir) / "heartbeat")  # (serve/supervisor.py)
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.service = DecodeService(
             engine,
@@ -52,6 +51,7 @@ class TritonPythonModel:
         self.pid = os.getpid()
         # frontends elsewhere follow what its prefix cache holds, and its load (kvevents.py)
         self.kv_events = decode_side.publish_kv_events(p, args, engine, self.kv_bytes_per_token)
+        heartbeat.start(Path(p.run_dir) / "heartbeat")  # last: a stub still loading is not judged
 
     def _on_step(self, stats) -> None:
         self.metrics.on_step(stats)

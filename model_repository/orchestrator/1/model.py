@@ -45,7 +45,6 @@ class TritonPythonModel:
         self.model_name = args["model_name"]  # orchestrator or orchestrator_sync
         self.tokenizer = Tokenizer(p.engine_dir)
         self.max_tokens_default = p.max_tokens_default
-        heartbeat.start(Path(p.run_dir) / "heartbeat")  # (serve/supervisor.py)
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         metrics = pb_metrics.OrchestratorMetrics(args["model_name"])
         cost = CostParams(
@@ -88,6 +87,7 @@ class TritonPythonModel:
             on_error=lambda kind: metrics.error("request", kind),
             cancels=cancels,  # a cancel mark on its caller's id (the router's) cancels it
         )
+        heartbeat.start(Path(p.run_dir) / "heartbeat")  # last: a stub still loading is not judged
 
     @staticmethod
     def _prefill_pool(p: OrchestratorParams, cancels: CancelRegistry):

@@ -26,7 +26,6 @@ class TritonPythonModel:
         pb.configure_logging()
         p = pb.model_parameters(args).typed(PrefillParams)
         self.pid = os.getpid()
-        heartbeat.start(Path(p.run_dir) / "heartbeat")  # (serve/supervisor.py)
         self.cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.metrics = pb_metrics.PrefillMetrics(args["model_instance_name"])
         self.trtllm = None
@@ -34,6 +33,7 @@ class TritonPythonModel:
             from disagg.trtllm.runtime import prefill_engine
 
             self.trtllm = prefill_engine(p)
+            heartbeat.start(Path(p.run_dir) / "heartbeat")  # last, as below
             return
         pb.set_nice(p.prefill_nice)  # before torch makes its threads (they inherit it)
         pb.set_torch_threads(p.prefill_torch_threads)
@@ -54,6 +54,7 @@ class TritonPythonModel:
             self.kv = prefill_side.KVLeaseServer.start(p, args, self.metrics.leased_bytes)
         # frontends elsewhere follow what its prefix cache holds (kvevents.py)
         self.kv_events = prefill_side.publish_kv_events(p, args, self.engine)
+        heartbeat.start(Path(p.run_dir) / "heartbeat")  # last: a stub still loading is not judged
 
     def finalize(self):
         for server in (getattr(self, "kv", None), getattr(self, "kv_events", None)):

@@ -31,7 +31,6 @@ class TritonPythonModel:
         self.tokenizer = Tokenizer(p.engine_dir)
         self.default_model = p.served_model_name
         self.max_tokens_default = p.max_tokens_default
-        heartbeat.start(Path(p.run_dir) / "heartbeat")  # (serve/supervisor.py)
         cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.router = Router(
             PolicySource(p.router_policy),  # an invalid policy fails the model load, loudly
@@ -50,6 +49,7 @@ class TritonPythonModel:
             # a client that leaves is marked at once, mid-prefill too (cancel.CancelWatch)
             cancels=cancels,
         )
+        heartbeat.start(Path(p.run_dir) / "heartbeat")  # last: a stub still loading is not judged
 
     def _parse(self, request):
         fields = RouterRequest.decode(

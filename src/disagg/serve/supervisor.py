@@ -68,12 +68,13 @@ def stub_processes(server_pid: int) -> dict[int, tuple[str, str]]:
     return stubs
 
 
-def _stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped (SIGSTOP, a debugger), as a hung node's is."""
+def _state(pid: int) -> str:
+    """A process's state letter (R, S, T when SIGSTOPped, t when a debugger holds it), or
+    "" when it cannot be read."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "Tt"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return ""
 
 
 class ExitWatch:
@@ -154,7 +155,7 @@ class StubSupervisor:
         self.on_wedged = on_wedged
         self.heartbeat_dir = None if heartbeat_dir is None else Path(heartbeat_dir)
         self.frozen_after_s = frozen_after_s
-        self._beats: dict[int, tuple[int, float]] = {}  # pid -> (file mtime, when it changed)
+        self._beats: dict[int, tuple[int, float]] = {}  # pid -> (file mtime, s watched still)
         self._last_check: float | None = None
         # READY python models -> stubs their config asks for
         self.expected: Counter[str] = Counter()
@@ -261,35 +262,40 @@ class StubSupervisor:
                     self.on_wedged(model)
 
     def _frozen_stub(self, stubs: dict[int, tuple[str, str]], now: float) -> bool:
-        """Whether a stub's heartbeat stood still for frozen_after_s (then the server is
-        restarted). Only stubs that have beaten once are judged (a stub still loading, or a
-        model without a heartbeat, is not), and only over time this supervisor was watching:
-        after a gap between checks (this process stopped, or a check that took long), or
-        while tritonserver itself is stopped (a hung node frozen whole), every stub's time
-        starts again."""
-        if self.heartbeat_dir is None:
+        """Whether a stub's heartbeat stood still for frozen_after_s of watching (then the
+        server is restarted; 0: never). Only stubs that have beaten once are judged (one
+        still loading, a model without a heartbeat or one being reloaded is not), and only
+        time this supervisor watched a running server counts: a gap between checks counts
+        at most three intervals (this process was stopped, or a check took long), and none
+        counts while tritonserver itself or the stub is stopped by a debugger (a hung node
+        frozen whole is the cluster's to handle; a stub SIGSTOPped alone is judged)."""
+        if self.heartbeat_dir is None or self.frozen_after_s <= 0:
             return False
-        away = self._last_check is not None and now - self._last_check > 3 * self.interval_s
-        if away or _stopped(self.server_pid):  # (a whole server stopped is no stub's fault)
-            self._beats.clear()
+        step = 0.0 if self._last_check is None else min(now - self._last_check, 3 * self.interval_s)
         self._last_check = now
+        if _state(self.server_pid) in ("T", "t"):
+            step = 0.0
         beats = {}
         for pid, (model, _) in stubs.items():
             try:
                 mtime = os.stat(heartbeat.path_of(self.heartbeat_dir, pid)).st_mtime_ns
             except OSError:
                 continue
-            seen, since = self._beats.get(pid, (mtime, now))
-            beats[pid] = (mtime, now if mtime != seen else since)
-            if now - beats[pid][1] > self.frozen_after_s:
+            seen, still = self._beats.get(pid, (mtime, 0.0))
+            watched = step if model not in self.recovering and _state(pid) != "t" else 0.0
+            beats[pid] = (mtime, still + watched if mtime == seen else 0.0)
+            if beats[pid][1] > self.frozen_after_s:
                 self.wedged = model
                 log.error(
                     "a stub of model %r (pid %d) has run no Python for %.0f s (frozen or "
-                    "deadlocked); restarting the server", model, pid, now - beats[pid][1],
+                    "deadlocked); restarting the server", model, pid, beats[pid][1],
                 )  # fmt: skip
                 if self.on_wedged is not None:
                     self.on_wedged(model)
                 return True
+        for pid in set(self._beats) - set(stubs):  # gone: its pid may come back to another
+            with contextlib.suppress(OSError):
+                heartbeat.path_of(self.heartbeat_dir, pid).unlink()
         self._beats = beats
         return False
 
