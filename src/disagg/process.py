@@ -23,14 +23,21 @@ def stub_args(pid: int) -> list[bytes] | None:
     return args if len(args) > 2 and args[0].endswith(STUB.encode()) else None
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat from its third field on (the state letter first): the name in field
+    2 may hold spaces, so the split starts after its closing parenthesis. Raises OSError
+    when there is no such process."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def process_alive(pid: int) -> bool:
     """Whether a process on this host is running and not on its way out: a zombie, a
     process in its exit path (that of a stub with gigabytes mapped takes a while), or one
     with a SIGKILL pending counts as dead. A response sent to a stub in that window is never
     read, and the send can block."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        fields = stat_fields(pid)
         if fields[0] in ("Z", "X") or int(fields[6]) & PF_EXITING:  # field 9: flags
             return False
         with open(f"/proc/{pid}/status") as f:

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
+
+from disagg.process import stat_fields
 
 MASK = b"*"
 
 
 def _argv_range(pid: int) -> tuple[int, int]:
-    # /proc/<pid>/stat: fields 48 and 49 (1-based) are arg_start and arg_end; the name in
-    # field 2 may hold spaces, so count from after its closing parenthesis (field 3 on)
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # /proc/<pid>/stat: fields 48 and 49 (1-based) are arg_start and arg_end (stat_fields
+    # starts at field 3)
+    fields = stat_fields(pid)
     return int(fields[48 - 3]), int(fields[49 - 3])
 
 

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from disagg import heartbeat
-from disagg.process import stub_args
+from disagg.process import stat_fields, stub_args
 
 log = logging.getLogger("disagg.supervisor")
 SHM_PREFIX = "triton_python_backend_shm_region_"
@@ -56,8 +56,7 @@ def stub_processes(server_pid: int) -> dict[int, tuple[str, str]]:
         if not entry.name.isdigit():
             continue
         try:
-            stat = Path(entry.path, "stat").read_text()
-            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            state, ppid = stat_fields(int(entry.name))[:2]
             if int(ppid) != server_pid or state in ("Z", "X"):
                 continue
         except (OSError, ValueError):
@@ -72,7 +71,7 @@ def _state(pid: int) -> str:
     """A process's state letter (R, S, T when SIGSTOPped, t when a debugger holds it), or
     "" when it cannot be read."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return stat_fields(pid)[0]
     except (OSError, IndexError):
         return ""
 
