@@ -181,12 +181,12 @@ def calibration_note(
             "profile itself does not fit this machine now (measured under other load, or "
             "elsewhere?): profile again; no calibrated profile written.\n"
         ), None
-    fitted = calibrated(profile, residuals, source)
-    fitted.save(out / "profile.calibrated.json")
+    moved = calibrated(profile, residuals, source)
+    moved.save(out / "profile.calibrated.json")
     return text + (
         f"; {out}/profile.calibrated.json moves the profile's overheads by them (rerun "
         "with --profile it and --measured to check the loaded rows).\n"
-    ), fitted
+    ), moved
 
 
 def parser() -> argparse.ArgumentParser:

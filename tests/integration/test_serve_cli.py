@@ -40,9 +40,7 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
     lines = []
     try:
         deadline = time.monotonic() + 240
-        while not any("Ctrl-C to stop" in line for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
+        _read_until(proc, lines, "Ctrl-C to stop", deadline)
         banner = "".join(lines)
         assert f"http://127.0.0.1:{http}" in banner and f"127.0.0.1:{grpc}" in banner
         assert "curl" in banner and "admin-key: " in banner
@@ -82,9 +80,7 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
             assert during.usage.completion_tokens > 0
         except openai.APIStatusError as e:
             assert e.status_code == 503 and e.body["code"] == "unavailable"
-        while not any("tritonserver is back" in line for line in lines):
-            assert time.monotonic() < deadline + 240 and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
+        _read_until(proc, lines, "tritonserver is back", deadline + 240)
         assert list(tmp_path.glob("tritonserver.crash-*.log"))
         assert child(proc.pid, "tritonserver") != triton
         _says_hi(client)
@@ -97,11 +93,8 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         ready = f"http://127.0.0.1:{gateway}/ready"
         time.sleep(2)
         assert _status(ready) == 503
-        mark = len(lines)
-        while not any("tritonserver is back" in line for line in lines[mark:]):
-            assert time.monotonic() < wedged_at + RECOVER_S + 120, "".join(lines)
-            lines.append(proc.stdout.readline())
-        assert any("restarting the server" in line for line in lines[mark:]), "".join(lines)
+        new = _read_until(proc, lines, "tritonserver is back", wedged_at + RECOVER_S + 120)
+        assert any("restarting the server" in line for line in new), "".join(lines)
         assert child(proc.pid, "tritonserver") != triton
         assert _status(ready) == 200
         _says_hi(client)
@@ -111,11 +104,8 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         (router,) = _stubs(triton, "router")
         os.kill(router, signal.SIGSTOP)
         frozen_at = time.monotonic()
-        mark = len(lines)
-        while not any("tritonserver is back" in line for line in lines[mark:]):
-            assert time.monotonic() < frozen_at + RECOVER_S + 120, "".join(lines)
-            lines.append(proc.stdout.readline())
-        assert any("has run no Python" in line for line in lines[mark:]), "".join(lines)
+        new = _read_until(proc, lines, "tritonserver is back", frozen_at + RECOVER_S + 120)
+        assert any("has run no Python" in line for line in new), "".join(lines)
         assert time.monotonic() - frozen_at > RECOVER_S  # not before its time
         assert child(proc.pid, "tritonserver") != triton
         _says_hi(client)
@@ -130,6 +120,16 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
 
 
 RECOVER_S = 15  # the serve process's recover_timeout_s here (60 by default)
+
+
+def _read_until(proc, lines: list[str], text: str, deadline: float) -> list[str]:
+    """Reads the serve process's output into `lines` until a line holding `text` (by
+    `deadline`, the process alive); returns the lines read."""
+    start = len(lines)
+    while not any(text in line for line in lines[start:]):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        lines.append(proc.stdout.readline())
+    return lines[start:]
 
 
 def _says_hi(client) -> None:
