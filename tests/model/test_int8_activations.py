@@ -10,7 +10,7 @@ import pytest
 from helpers.batch_invariance import assert_decode_batch_invariant
 
 from disagg.bench.quality import PROMPTS, TEXT, first_difference, greedy, perplexity
-from disagg.engine.model import Llama
+from disagg.engine.model import KVCacheSlots, Llama
 from disagg.errors import ConfigError
 
 pytestmark = pytest.mark.model
@@ -39,16 +39,26 @@ def test_perplexity_within_one_percent_of_fp32(llm, int8, dense):
     assert abs(q - f) / f < 0.01, (q, f)
 
 
-def test_greedy_replies_agree_on_most_prompts(llm, int8, dense):
+def test_greedy_replies_part_from_fp32_only_at_near_ties(llm, int8, dense):
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    replies = zip(greedy(int8, prompts, 24), greedy(dense, prompts, 24), strict=True)
     parts = [
-        first_difference(a, b)
-        for a, b in zip(greedy(int8, prompts, 24), greedy(dense, prompts, 24), strict=True)
+        (ids, a, b, first_difference(a, b)) for ids, (a, b) in zip(prompts, replies, strict=True)
     ]
-    diverged = [i for i in parts if i is not None]
-    assert len(parts) - len(diverged) >= 8, parts  # measured: 10 of 16 equal
-    # the first token comes from prefill (dense fp32 either way); the next ones still agree
-    assert all(i >= 2 for i in diverged), parts
+    # How many stay equal depends on the CPU's kernels (10 of 16 on an Intel Xeon with AMX,
+    # 6 on an AMD EPYC Zen 4): which near ties tip is chance. What must hold on every CPU:
+    # the first token comes from prefill (dense fp32 either way) and the next ones agree, and
+    # where a reply parts, fp32 itself found int8's token nearly as likely as its own (its
+    # logit within 0.5; measured on Zen 4: 0.005-0.30, the two tokens' probabilities 0.39 vs
+    # 0.39 at the closest and 0.18 vs 0.13 at the widest).
+    assert sum(i is None for *_, i in parts) >= len(parts) // 4, [i for *_, i in parts]
+    for ids, a, b, i in parts:
+        if i is None:
+            continue
+        assert i >= 2, (i, a, b)
+        cache = KVCacheSlots(dense.args, 1, len(ids) + i + 1)
+        logits = dense.prefill_chunk(ids + b[:i], 0, cache, 0)
+        assert float(logits[b[i]] - logits[a[i]]) < 0.5, (i, b[i], a[i])
 
 
 def test_int8_decode_is_batch_invariant(llm, int8):
