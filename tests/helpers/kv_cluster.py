@@ -13,7 +13,7 @@ from typing import Any
 from disagg import contracts as C
 from disagg.client import GenerateError, HttpClient
 from disagg.serve.server import TritonServer
-from helpers.triton_server import server_settings, servers_under_token
+from helpers.triton_server import ready_or_once_more, server_settings, servers_under_token
 
 PROMPTS = ["What is the capital of France?", "List three prime numbers.", "Say hello in French."]
 HUNG_S = 90
@@ -29,14 +29,14 @@ def kv_cluster(engine_dir, tmp, token: str, **prefill_overrides: Any) -> Iterato
             server_settings(engine_dir, tmp / "decode", role="decode"), admin_key="k"
         ).start()
         for server in (servers["prefill"], servers["decode"]):
-            server.wait_ready(timeout_s=240)
+            ready_or_once_more(server)
         front = server_settings(
             engine_dir, tmp / "frontend", role="frontend",
             prefill_replicas=servers["prefill"].endpoints.grpc,
             decode_replicas=servers["decode"].endpoints.grpc,
         )  # fmt: skip
         servers["frontend"] = TritonServer(front, admin_key="k").start()
-        servers["frontend"].wait_ready(timeout_s=240)
+        ready_or_once_more(servers["frontend"])
         servers["front_settings"] = front
         yield servers
 

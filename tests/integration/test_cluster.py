@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from helpers.triton_server import server_settings, servers_under_token
+from helpers.triton_server import ready_or_once_more, server_settings, servers_under_token
 
 from disagg import contracts as C
 from disagg.client import GenerateError, HttpClient
@@ -34,7 +34,7 @@ def cluster(engine_dir, tmp_path_factory):
                 s = server_settings(engine_dir, tmp / f"{role}{i}", role=role)
                 servers[f"{role}{i}"] = TritonServer(s, admin_key="k").start()
         for server in servers.values():
-            server.wait_ready(timeout_s=240)
+            ready_or_once_more(server)
         replicas = {
             role: ",".join(servers[f"{role}{i}"].endpoints.grpc for i in range(2))
             for role in ("prefill", "decode")
@@ -51,7 +51,7 @@ def cluster(engine_dir, tmp_path_factory):
             decode_hang_s=HANG_S,
         )
         servers["frontend"] = TritonServer(front, admin_key="k").start()
-        servers["frontend"].wait_ready(timeout_s=240)
+        ready_or_once_more(servers["frontend"])
         servers["tmp"] = tmp
         yield servers
 

@@ -12,7 +12,13 @@ import signal
 import time
 
 import pytest
-from helpers.triton_server import eventually, metric, server_settings, servers_under_token
+from helpers.triton_server import (
+    eventually,
+    metric,
+    ready_or_once_more,
+    server_settings,
+    servers_under_token,
+)
 
 from disagg import contracts as C
 from disagg.client import HttpClient
@@ -33,7 +39,7 @@ def cluster(engine_dir, tmp_path_factory):
             s = server_settings(engine_dir, tmp / name, role=name[:-1], kv_events_port=events_port)
             servers[name] = TritonServer(s, admin_key="k").start()
         for name in POOLS:
-            servers[name].wait_ready(timeout_s=240)
+            ready_or_once_more(servers[name])
         replicas = {
             role: ",".join(servers[f"{role}{i}"].endpoints.grpc for i in range(2))
             for role in ("prefill", "decode")
@@ -45,7 +51,7 @@ def cluster(engine_dir, tmp_path_factory):
             )  # fmt: skip
             servers[front] = TritonServer(s, admin_key="k").start()
         for front in ("front0", "front1"):
-            servers[front].wait_ready(timeout_s=240)
+            ready_or_once_more(servers[front])
         yield servers
 
 

@@ -17,7 +17,7 @@ import time
 import pytest
 from helpers.kv_cluster import HUNG_S, PROMPTS, assert_greedy, generate, kv_cluster, run_all
 from helpers.tamper_proxy import TamperProxy
-from helpers.triton_server import metric
+from helpers.triton_server import metric, ready_or_once_more
 
 from disagg import contracts as C
 from disagg.client import GenerateError, HttpClient
@@ -108,6 +108,6 @@ def test_a_frontend_killed_with_streams_open_leaves_nothing_running(cluster):
         assert time.monotonic() < deadline, "decode kept decoding for a dead frontend"
         time.sleep(0.25)
     servers["frontend"] = TritonServer(servers["front_settings"], admin_key="k").start()
-    servers["frontend"].wait_ready(timeout_s=240)
+    ready_or_once_more(servers["frontend"])
     r = generate(servers, PROMPTS[0])
     assert r.num_output_tokens > 0 and r.extra[C.SERVED_BY] == "disaggregated"

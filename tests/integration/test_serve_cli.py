@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,10 +40,11 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    lines = []
+    lines: list[str] = []
+    output = _lines_of(proc)
     try:
         deadline = time.monotonic() + 240
-        _read_until(proc, lines, "Ctrl-C to stop", deadline)
+        _read_until(proc, output, lines, "Ctrl-C to stop", deadline)
         banner = "".join(lines)
         assert f"http://127.0.0.1:{http}" in banner and f"127.0.0.1:{grpc}" in banner
         assert "curl" in banner and "admin-key: " in banner
@@ -80,7 +84,7 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
             assert during.usage.completion_tokens > 0
         except openai.APIStatusError as e:
             assert e.status_code == 503 and e.body["code"] == "unavailable"
-        _read_until(proc, lines, "tritonserver is back", deadline + 240)
+        _read_until(proc, output, lines, "tritonserver is back", deadline + 240)
         assert list(tmp_path.glob("tritonserver.crash-*.log"))
         assert child(proc.pid, "tritonserver") != triton
         _says_hi(client)
@@ -93,7 +97,7 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         ready = f"http://127.0.0.1:{gateway}/ready"
         time.sleep(2)
         assert _status(ready) == 503
-        new = _read_until(proc, lines, "tritonserver is back", wedged_at + RECOVER_S + 120)
+        new = _read_until(proc, output, lines, "tritonserver is back", wedged_at + RECOVER_S + 120)
         assert any("restarting the server" in line for line in new), "".join(lines)
         assert child(proc.pid, "tritonserver") != triton
         assert _status(ready) == 200
@@ -104,14 +108,15 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         (router,) = _stubs(triton, "router")
         os.kill(router, signal.SIGSTOP)
         frozen_at = time.monotonic()
-        new = _read_until(proc, lines, "tritonserver is back", frozen_at + RECOVER_S + 120)
+        new = _read_until(proc, output, lines, "tritonserver is back", frozen_at + RECOVER_S + 120)
         assert any("has run no Python" in line for line in new), "".join(lines)
         assert time.monotonic() - frozen_at > RECOVER_S  # not before its time
         assert child(proc.pid, "tritonserver") != triton
         _says_hi(client)
     finally:
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+    out = "".join(lines + _drained(output))
     assert proc.returncode == 0, out
     assert "stopping" in out
     for url in (f"http://127.0.0.1:{http}/v2/health/live", f"http://127.0.0.1:{gateway}/health"):
@@ -122,13 +127,39 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
 RECOVER_S = 15  # the serve process's recover_timeout_s here (60 by default)
 
 
-def _read_until(proc, lines: list[str], text: str, deadline: float) -> list[str]:
-    """Reads the serve process's output into `lines` until a line holding `text` (by
+def _lines_of(proc) -> queue.Queue[str | None]:
+    """The serve process's output lines, read by a thread of their own (None at its end), so
+    that a wait for a line can end at its deadline when the process prints nothing."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _drained(output: queue.Queue[str | None], wait_s: float = 10.0) -> list[str]:
+    """What is left of the output once the process has ended."""
+    left, deadline = [], time.monotonic() + wait_s
+    while (line := output.get(timeout=max(deadline - time.monotonic(), 0.01))) is not None:
+        left.append(line)
+    return left
+
+
+def _read_until(
+    proc, output: queue.Queue[str | None], lines: list[str], text: str, deadline: float
+) -> list[str]:
+    """Moves the serve process's output into `lines` until a line holding `text` (by
     `deadline`, the process alive); returns the lines read."""
     start = len(lines)
     while not any(text in line for line in lines[start:]):
         assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-        lines.append(proc.stdout.readline())
+        with contextlib.suppress(queue.Empty):
+            if (line := output.get(timeout=1.0)) is not None:
+                lines.append(line)
     return lines[start:]
 
 

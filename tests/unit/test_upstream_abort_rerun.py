@@ -8,7 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from helpers.triton_server import UPSTREAM_ABORT, once_more_if_upstream_aborted
+from helpers.triton_server import (
+    UPSTREAM_ABORT,
+    once_more_if_upstream_aborted,
+    ready_or_once_more,
+)
 
 pytestmark = pytest.mark.unit
 ABORT_LINE = f"terminate called after throwing an instance of '{UPSTREAM_ABORT}'\n"
@@ -73,3 +77,30 @@ def test_other_deaths_and_old_lines_are_not_rerun_and_a_second_abort_fails(tmp_p
     twice = FakeServer(tmp_path / "c", [(ABORT_LINE, 134), (ABORT_LINE, 134)])
     with pytest.raises(AssertionError, match="twice"), pytest.warns(UserWarning):
         once_more_if_upstream_aborted(twice, twice.run_case)
+
+
+class FailingStart(FakeServer):
+    """A server whose loads die as scripted, one entry per start: wait_ready raises as
+    TritonServer's does when the process exited."""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        dies = self.runs < len(self.dies) and self.dies[self.runs][1] != 0
+        self.run_case()
+        if dies:
+            raise RuntimeError("tritonserver exited")
+
+
+def test_a_start_that_met_upstreams_abort_starts_once_more_and_nothing_else_does(tmp_path):
+    aborted = FailingStart(tmp_path / "a", [(ABORT_LINE, 134), ("", 0)])
+    with pytest.warns(UserWarning, match="while starting"):
+        ready_or_once_more(aborted)
+    assert (aborted.starts, aborted.runs) == (1, 2)
+    aborted.stop()
+    segfault = FailingStart(tmp_path / "b", [("Segmentation fault\n", 139)])
+    with pytest.raises(RuntimeError, match="exited"):
+        ready_or_once_more(segfault)
+    assert segfault.starts == 0
+    twice = FailingStart(tmp_path / "c", [(ABORT_LINE, 134), (ABORT_LINE, 134)])
+    with pytest.raises(RuntimeError, match="exited"), pytest.warns(UserWarning):
+        ready_or_once_more(twice)
+    assert twice.starts == 1
