@@ -212,7 +212,36 @@ def parser() -> argparse.ArgumentParser:
         help="also fit send_s and contention to the loaded rates (planner/calibrate.py), "
         "after the unloaded calibration: <out>/profile.fitted.json, to check on another run",
     )  # fmt: skip
+    p.add_argument(
+        "--carry", metavar="FITTED",
+        help="another run's profile.fitted.json (maybe another machine's): its fit carried "
+        "onto this run's unloaded calibration (planner/calibrate.py carried) and checked",
+    )  # fmt: skip
     return p
+
+
+def carry_note(
+    unloaded: Profile, runs: list[tuple[dict[str, Any], Topology, SweepConfig]], out: Path,
+    a: argparse.Namespace,
+) -> str:  # fmt: skip
+    """Another run's loaded fit put on this run's unloaded calibration, checked on this run
+    (out of sample): writes profile.carried.json."""
+    from disagg.planner.calibrate import carried
+
+    moved = carried(Profile.load(a.carry), unloaded)
+    moved.save(out / "profile.carried.json")
+    met = total = 0
+    errors: list[float] = []
+    for measured, topology, cfg in runs:
+        predicted = simulate_sweep(moved, topology, cfg, label=topology.name)
+        _, m, t = compare(topology.name, measured, predicted, a)
+        met, total, errors = met + m, total + t, errors + log_errors(measured, predicted)
+    o = moved.overheads
+    return (
+        f"\nCarried from {a.carry}: send_s {1e3 * o.send_s:.2f} ms a response, contention "
+        f"{o.contention:g}; {met} of {total} checks within target, mean |log error| "
+        f"{_mean(errors):.3f} ({out}/profile.carried.json).\n"
+    )
 
 
 def fit_note(
@@ -297,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         text += note
         if a.fit_loaded and unloaded is not None:
             text += fit_note(unloaded, runs, out, a)
+        if a.carry and unloaded is not None:
+            text += carry_note(unloaded, runs, out, a)
     print(text)
     (out / "sim_vs_real.md").write_text(text)
     return 0

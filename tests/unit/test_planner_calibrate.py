@@ -9,7 +9,8 @@ import pytest
 from helpers.profiles import simple_profile
 
 from disagg.bench.sweep import SweepConfig
-from disagg.planner.calibrate import fit_loaded, log_errors, shifted
+from disagg.planner.calibrate import carried, fit_loaded, log_errors, served_step_s, shifted
+from disagg.planner.costs import DecodeCost, PiecewiseLinear
 from disagg.planner.profile import Profile
 from disagg.planner.sweep import simulate_sweep
 from disagg.planner.topology import Topology
@@ -63,3 +64,22 @@ def test_the_fit_finds_the_costs_a_run_was_made_with():
 def test_a_fit_needs_a_run():
     with pytest.raises(ValueError):
         fit_loaded(P, [], lambda p, i: {})
+
+
+def test_a_fit_carried_to_another_machine_keeps_its_share_of_a_step_not_its_seconds():
+    # a machine half as fast a step: decode 20 ms for one row, 10 ms a step outside it
+    slow = simple_profile(
+        decode=DecodeCost(
+            PiecewiseLinear((1.0, 9.0), (0.020, 0.036)), PiecewiseLinear((1.0,), (0.0,))
+        )
+    ).with_overheads(step_s=0.010)
+    fit = shifted(slow, 0.004, 3.0)  # what --fit-loaded found there
+    assert math.isclose(served_step_s(fit), 0.020 + 0.010 + 0.0001)  # unloaded: unchanged
+    moved = carried(fit, P)
+    o = moved.overheads
+    assert o.contention == 3.0
+    assert math.isclose(o.send_s, 0.004 * (0.010 + 0.004 + 0.0001) / 0.0301)
+    assert math.isclose(served_step_s(moved), served_step_s(P))  # P's unloaded step kept
+    # carried back onto the profile it was fitted from, a fit is itself
+    assert math.isclose(carried(fit, slow).overheads.send_s, 0.004)
+    assert math.isclose(carried(fit, slow).overheads.step_s, fit.overheads.step_s)

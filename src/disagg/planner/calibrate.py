@@ -14,6 +14,10 @@ searches a grid of (send_s, contention), moving into `send_s` what it takes out 
 (the unloaded requests stay fitted), and keeps the pair whose predictions of the loaded
 rates' TTFT p50/p90 and TPOT p50 are closest to the measured, by the mean |log(predicted /
 measured)|. Fitted on one run, it is checked on another (sim_vs_real --measured).
+
+Carried to another machine (`carried`), a fit keeps its contention and its cost per
+response as a share of an unloaded served step, not in seconds: four runs on two CPUs
+fitted 0.11-0.15 of a step where the seconds differed 2x (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from disagg.planner.profile import Profile
 
 SEND_GRID_S = tuple(i * 0.0005 for i in range(13))  # 0 .. 6 ms a response
 CONTENTION_GRID = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)
+STEP_POSITIONS = 256  # a chat turn's context, where `carried` compares steps
 FIELDS = (("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50"))
 
 Simulate = Callable[[Profile, int], Sweep]  # (profile, index of the measured sweep) -> predicted
@@ -47,6 +52,21 @@ def shifted(profile: Profile, send_s: float, contention: float) -> Profile:
     o = profile.overheads
     step_s = max(o.step_s + o.send_s - send_s, 0.0)
     return profile.with_overheads(send_s=send_s, step_s=step_s, contention=contention)
+
+
+def served_step_s(profile: Profile, positions: int = STEP_POSITIONS) -> float:
+    """An unloaded served decode step as `profile` predicts it: one sequence's engine step
+    at `positions`, plus what a step and its one response cost outside the engine."""
+    o = profile.overheads
+    return profile.decode(1, positions) + o.step_s + o.send_s
+
+
+def carried(fitted: Profile, onto: Profile) -> Profile:
+    """`onto` (calibrated on another run, maybe another machine) with `fitted`'s loaded fit:
+    its contention, and its cost per response scaled by the two profiles' unloaded served
+    steps (a path twice as fast per step costs half as much per response)."""
+    share = fitted.overheads.send_s / served_step_s(fitted)
+    return shifted(onto, share * served_step_s(onto), fitted.overheads.contention)
 
 
 def log_errors(measured: Sweep, predicted: Sweep) -> list[float]:
