@@ -11,6 +11,7 @@ from helpers.profiles import simple_profile
 from disagg.cpuinfo import read_cpuinfo
 from disagg.errors import ConfigError
 from disagg.planner.costs import (
+    ChunkCost,
     PiecewiseLinear,
     fit_chunk,
     fit_decode,
@@ -45,6 +46,19 @@ def test_a_noisy_point_does_not_make_a_longer_prompt_cheaper():
     assert values == sorted(values) and f(16) == pytest.approx(0.03)  # the median of two
 
 
+def test_past_a_kernel_break_a_longer_prompt_may_cost_less_and_each_side_stays_monotone():
+    # measured on a Zen 4 (2026-12-06): 64 rows on the block kernel as slow as 128 on dense
+    xs = [16, 64, 65, 128, 256, 300]
+    ys = [0.025, 0.077, 0.040, 0.077, 0.152, 0.150]  # (the 300 a noisy point)
+    f = fit_piecewise(xs, ys, breaks=[64])
+    assert f(64) == pytest.approx(0.077) and f(65) == pytest.approx(0.040)
+    assert f(100) < f(64)
+    right = [f(n) for n in (65, 128, 256, 300)]
+    assert right == sorted(right)
+    pooled = fit_piecewise(xs, ys)  # without the break: 64 and 65 averaged, both wrong
+    assert pooled(64) == pytest.approx(pooled(65)) == pytest.approx((0.077 + 0.040) / 2)
+
+
 def test_fit_linear_recovers_a_line_and_never_goes_negative():
     xs = [1e6, 2e7, 5e7, 9e7]
     line = fit_linear(xs, [0.001 + 2e-10 * x for x in xs])
@@ -60,6 +74,24 @@ def test_fit_chunk_recovers_matmul_and_attention_terms():
     c = fit_chunk(ns, starts, [truth(n, s) for n, s in zip(ns, starts, strict=True)])
     assert (c.fixed_s, c.per_token_s, c.per_pair_s) == pytest.approx((0.002, 0.001, 3e-7))
     assert c(64, 1024) > c(64, 0)
+    for n, s in ((32, 0), (100, 700), (512, 1536)):  # a line's matmul knots are the line
+        assert c(n, s) == pytest.approx(truth(n, s))
+    assert ChunkCost.from_json(c.to_json()) == c
+    old = {"fixed_s": 0.002, "per_token_s": 0.001, "per_pair_s": 3e-7}  # a profile before
+    assert ChunkCost.from_json(old)(64, 0) == pytest.approx(truth(64, 0))
+
+
+def test_a_chunk_past_the_kernel_break_is_charged_its_own_measured_time():
+    # the Zen 4 profile's medians (s): 32 rows 42.8 ms, 64 82.7 on the blocks, 128 82.8
+    # on the dense copy; the attention term is small at start 0
+    samples = [(16, 0.025), (32, 0.0428), (64, 0.0827), (65, 0.046), (128, 0.0828), (256, 0.157)]
+    ns, ys = [n for n, _ in samples], [y for _, y in samples]
+    line = fit_chunk(ns, [0] * len(ns), ys)
+    kinked = fit_chunk(ns, [0] * len(ns), ys, breaks=[64])
+    errors = [abs(kinked(n, 0) / y - 1) for n, y in samples]
+    assert max(errors) < 0.02, errors
+    assert abs(line(64, 0) / 0.0827 - 1) > 0.1  # what one line made of it
+    assert kinked(65, 0) < kinked(64, 0)
 
 
 def test_fit_decode_is_a_line_in_positions_per_batch_size_made_monotone():

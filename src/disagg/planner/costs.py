@@ -2,15 +2,20 @@
 
     Linear           fixed_s + per_unit_s * x                 hand-offs and KV copies, by bytes
     PiecewiseLinear  interpolation between measured knots     a whole prefill, by prompt tokens
-    ChunkCost        a + b * n + c * n * (start + n)          a prefill chunk of n tokens after
-                                                              `start` positions (c: attention)
+    ChunkCost        m(n) + c * n * (start + n)               a prefill chunk of n tokens after
+                                                              `start` positions (m: the matmuls,
+                                                              piecewise linear in n; c: attention)
     DecodeCost       base(B) + per_position(B) * T            a decode step of B rows attending
                                                               T positions (base, per_position:
                                                               piecewise linear in B)
 
 Torch-free and JSON-ready (`to_json` / `from_json`). Fits are least squares, clamped
 non-negative, and made non-decreasing over their knots (pool-adjacent-violators): a noisy
-measurement must not make a longer prompt or a larger batch cheaper in the simulator.
+measurement must not make a longer prompt or a larger batch cheaper in the simulator. The
+one exception is a kernel boundary (`breaks`): prompt rows past engine/quant.py's
+DIRECT_ROWS leave the block kernel for the dense copy of the weights, and 65 rows cost less
+than 64 (measured: a 128-token chunk as much as a 64-token one); each side of a break is
+made non-decreasing on its own.
 """
 
 from __future__ import annotations
@@ -74,20 +79,28 @@ class ChunkCost:
     """Seconds of `Llama.prefill_chunk` for n prompt tokens after `start` cached positions:
     the matmuls grow with n, attention with n * (start + n)."""
 
-    fixed_s: float
+    fixed_s: float  # a line through every size's matmul time (what `matmul` refines)
     per_token_s: float
     per_pair_s: float  # one query token against one visible position
+    # the matmul time at each measured chunk size (the attention term taken out), between
+    # them interpolated: what the line misses at a kernel boundary. None: the line
+    matmul: PiecewiseLinear | None = None
 
     def __call__(self, n: int, start: int) -> float:
-        return self.fixed_s + self.per_token_s * n + self.per_pair_s * n * (start + n)
+        m = self.matmul(n) if self.matmul is not None else self.fixed_s + self.per_token_s * n
+        return m + self.per_pair_s * n * (start + n)
 
     def to_json(self) -> dict[str, Any]:
-        return {"fixed_s": self.fixed_s, "per_token_s": self.per_token_s,
-                "per_pair_s": self.per_pair_s}  # fmt: skip
+        d: dict[str, Any] = {"fixed_s": self.fixed_s, "per_token_s": self.per_token_s,
+                             "per_pair_s": self.per_pair_s}  # fmt: skip
+        if self.matmul is not None:
+            d["matmul"] = self.matmul.to_json()
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ChunkCost:
-        return cls(float(d["fixed_s"]), float(d["per_token_s"]), float(d["per_pair_s"]))
+        matmul = PiecewiseLinear.from_json(d["matmul"]) if "matmul" in d else None
+        return cls(float(d["fixed_s"]), float(d["per_token_s"]), float(d["per_pair_s"]), matmul)
 
 
 @dataclass(frozen=True)
@@ -147,9 +160,16 @@ def fit_linear(xs: Sequence[float], ys: Sequence[float]) -> Linear:
     return Linear(float(intercept), float(slope))
 
 
-def fit_piecewise(xs: Sequence[float], ys: Sequence[float]) -> PiecewiseLinear:
+def fit_piecewise(
+    xs: Sequence[float], ys: Sequence[float], breaks: Sequence[float] = ()
+) -> PiecewiseLinear:
+    """The median at each x, non-decreasing between `breaks` (x <= a break is on its left)."""
     knots, values = _medians(xs, ys)
-    return PiecewiseLinear(tuple(knots), tuple(max(v, 0.0) for v in nondecreasing(values)))
+    side = [bisect.bisect_left(sorted(breaks), k) for k in knots]
+    smooth: list[float] = []
+    for part in sorted(set(side)):
+        smooth += nondecreasing([v for v, s in zip(values, side, strict=True) if s == part])
+    return PiecewiseLinear(tuple(knots), tuple(max(v, 0.0) for v in smooth))
 
 
 def _nonneg_lstsq(
@@ -168,11 +188,16 @@ def _nonneg_lstsq(
     return coef
 
 
-def fit_chunk(ns: Sequence[int], starts: Sequence[int], ys: Sequence[float]) -> ChunkCost:
+def fit_chunk(
+    ns: Sequence[int], starts: Sequence[int], ys: Sequence[float], breaks: Sequence[float] = ()
+) -> ChunkCost:
+    """The three-term line by least squares; then, its attention term taken out of each
+    sample, the matmul time per measured size (fit_piecewise, with `breaks`)."""
     n, s = np.asarray(ns, float), np.asarray(starts, float)
     features = np.stack([np.ones_like(n), n, n * (s + n)], axis=1)
     a, b, c = _nonneg_lstsq(features, np.asarray(ys, float))
-    return ChunkCost(float(a), float(b), float(c))
+    matmul = fit_piecewise(n.tolist(), (np.asarray(ys, float) - c * n * (s + n)).tolist(), breaks)
+    return ChunkCost(float(a), float(b), float(c), matmul)
 
 
 def fit_decode(rows: Sequence[int], positions: Sequence[int], ys: Sequence[float]) -> DecodeCost:

@@ -33,6 +33,7 @@ from disagg.engine.config import EngineConfig, load_model_args
 from disagg.engine.kv_payload import KVPayload
 from disagg.engine.llm_engine import DecodeEngine, PrefillEngine, PrefillResult
 from disagg.engine.model import KVCacheSlots, Llama
+from disagg.engine.quant import DIRECT_ROWS
 from disagg.engine.sequence import SamplingParams
 from disagg.planner import handoff, machine
 from disagg.planner.decode_sim import CHUNK, DECODE, PREFILL, StepWork
@@ -63,8 +64,9 @@ QUICK = Plan(
     kv_tokens=(64, 512, 2000), reps=1,
 )  # fmt: skip
 FULL = Plan(
-    prefill_tokens=(16, 64, 128, 256, 512, 1024, 1536, 2000),
-    chunk_sizes=(32, 64, 128, 256, 512), chunk_starts=(0, 512, 1024, 1536),
+    # 64 and 65: either side of the block kernel's last row count (quant.DIRECT_ROWS)
+    prefill_tokens=(16, 32, 64, 65, 128, 256, 512, 1024, 1536, 2000),
+    chunk_sizes=(16, 32, 64, 65, 128, 256, 512), chunk_starts=(0, 512, 1024, 1536),
     batches=(1, 2, 4, 8, 16, 32), contexts=(64, 512, 1024, 1900), decode_steps=8,
     mixed=((1, 256, 640), (8, 512, 640), (16, 1024, 640)),
     kv_tokens=(16, 128, 512, 1024, 2000), reps=3,
@@ -218,7 +220,7 @@ def run_profile(
     samples.update(handoff.measure(args, plan.kv_tokens, max(plan.reps, 2)))
     log("measuring chunk-plus-decode steps ...")
     mixed = measure_mixed(model, plan)
-    profile = fit_profile(samples, args.kv_bytes_per_token)
+    profile = fit_profile(samples, args.kv_bytes_per_token, breaks=(DIRECT_ROWS,))
     ratios = []
     for work, seconds in mixed:
         kinds = {k for k, _, _ in work.ops}

@@ -208,18 +208,21 @@ class Profile:
         return "\n".join(lines)
 
 
-def fit_profile(samples: dict[str, Samples], kv_bytes_per_token: int) -> Profile:
+def fit_profile(
+    samples: dict[str, Samples], kv_bytes_per_token: int, breaks: tuple[int, ...] = ()
+) -> Profile:
     """The cost models from `disagg profile`'s raw samples: each kind a list of points
     (prefill [tokens, s], chunk [tokens, start, s], decode [rows, positions, s], kv_write /
-    pack / shm / network [bytes, s]); mixed_factor is left at 1 (measure.run_profile sets it)."""
+    pack / shm / network [bytes, s]); mixed_factor is left at 1 (measure.run_profile sets it).
+    `breaks`: prompt row counts where the engine changes kernel (planner/costs.py)."""
 
     def cols(name: str) -> list[list[float]]:
         return [list(c) for c in zip(*samples[name], strict=True)]
 
     pre, chunk, dec, write = cols("prefill"), cols("chunk"), cols("decode"), cols("kv_write")
     return Profile(
-        prefill=fit_piecewise(pre[0], pre[1]),
-        chunk=fit_chunk([int(x) for x in chunk[0]], [int(x) for x in chunk[1]], chunk[2]),
+        prefill=fit_piecewise(pre[0], pre[1], breaks),
+        chunk=fit_chunk([int(x) for x in chunk[0]], [int(x) for x in chunk[1]], chunk[2], breaks),
         decode=fit_decode([int(x) for x in dec[0]], [int(x) for x in dec[1]], dec[2]),
         pack=fit_linear(*cols("pack")),
         kv_write=fit_linear(write[0], write[1]),
