@@ -1,6 +1,6 @@
 """Prompt chunks prefilled in one forward (engine/packed_prefill.py) give what each gives
 alone with `prefill_chunk`, bit for bit: logits and every K/V position written. Chunks of both
-kernel groups (at most DIRECT_ROWS rows: blocks; longer: dense), fresh and after cached
+kernel groups (at most the model's prompt_rows rows: blocks; longer: dense), fresh and after cached
 positions, in one pack; the engine default and the dense float32 weights."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from disagg.engine.model import KVCacheSlots, Llama
 from disagg.engine.packed_prefill import Chunk
-from disagg.engine.quant import DIRECT_ROWS
+from disagg.engine.quant import PROMPT_ROWS
 
 pytestmark = pytest.mark.model
 
@@ -21,9 +21,10 @@ def _ids(n: int, seed: int) -> list[int]:
 
 
 # (tokens, start): a blocks-sized chunk after cached positions, one prompt's first dense-sized
-# chunk, a single token, a dense-sized chunk after cached positions, one exactly DIRECT_ROWS,
-# 87 rows split unevenly among 5 threads
-SHAPES = [(40, 96), (150, 0), (1, 7), (DIRECT_ROWS + 1, 32), (DIRECT_ROWS, 0), (87, 3)]
+# chunk, a single token, a dense-sized chunk after cached positions, one exactly PROMPT_ROWS
+# (the fused engine's last row count on blocks), 87 rows split unevenly among 5 threads, a
+# decode-sized chunk (64: dense since 2026-12-06) after cached positions
+SHAPES = [(5, 96), (150, 0), (1, 7), (PROMPT_ROWS + 1, 32), (PROMPT_ROWS, 0), (87, 3), (64, 40)]
 
 
 def _prefix(model, cache, slot: int, start: int, seed: int) -> None:
@@ -45,6 +46,8 @@ def threads(request):
 )
 def test_a_pack_of_chunks_equals_each_chunk_alone(engine_dir, llm, weights, threads):
     model = llm.model if weights == "auto" else Llama.load(engine_dir, weights="float32")
+    if weights == "auto":  # decode fused: prompt rows leave the blocks early
+        assert model.prompt_rows == PROMPT_ROWS
     chunks = [Chunk(_ids(n, i), start, slot=i) for i, (n, start) in enumerate(SHAPES)]
     alone = KVCacheSlots(model.args, len(SHAPES), 512, device=model.device)
     packed = KVCacheSlots(model.args, len(SHAPES), 512, device=model.device)

@@ -44,6 +44,7 @@ class Llama(Protocol):
     lm_head: Linear | BlockLinear
     activations: str  # "float32", "int8" or "bfloat16": what the blocks multiply
     fused: bool  # whether this module runs its decode (and layers.py prompt rows' small ops in C)
+    prompt_rows: int  # past this many prompt rows, the blocks' dense copy (kernels.linear)
 
 
 MAX_HEAD_DIM = 512  # qmatmul.c's RoPE buffer

@@ -161,22 +161,23 @@ def pack(w: torch.Tensor, dtype: torch.dtype = torch.float32, onednn: bool = HAS
     return Linear(_onednn_pack(w), pad, onednn=True)
 
 
-def linear(x: torch.Tensor, lin: Linear | BlockLinear) -> torch.Tensor:
+def linear(x: torch.Tensor, lin: Linear | BlockLinear, rows: int = DIRECT_ROWS) -> torch.Tensor:
     """x @ w.T for x: [M, in].
 
     Batch invariant: a row's result does not depend on the other rows, so a sequence decodes
     to the same tokens alone or in any batch. Where oneDNN's single-row kernel sums in
     another order, one row is computed as two (the weights are still read once). Quantized
-    weights go to engine/quant.py (invariant by construction) for up to DIRECT_ROWS rows;
-    more rows (prefill) multiply the dense copy, so a row of a 64-row chunk and of a 65-row
-    one differ by rounding: decode batches never cross that line (engine/fused_decode.py
-    multiplies blocks at any size; the torch decode path caps max_num_seqs there). With bf16
+    weights go to engine/quant.py (invariant by construction) for up to `rows` rows (the
+    model's: quant.PROMPT_ROWS where decode is fused, else DIRECT_ROWS); more rows (prefill)
+    multiply the dense copy, so a row of a short chunk and of a long one differ by rounding:
+    decode batches never cross that line (engine/fused_decode.py multiplies blocks at any
+    size; the torch decode path caps max_num_seqs at DIRECT_ROWS). With bf16
     activations there is no dense copy: prompt rows (this function's) and decode rows
     (fused_decode.py calls qlinear) take AMX tiles where the CPU has them, at every count."""
     if isinstance(lin, BlockLinear):
         if lin.activations == "bfloat16":
             return qlinear(x, lin.blocks, "bfloat16", tiles=True)
-        if x.shape[0] > DIRECT_ROWS and lin.dense is not None:
+        if x.shape[0] > rows and lin.dense is not None:
             return linear(x, lin.dense)
         return qlinear(x, lin.blocks)
     if lin.weight.dtype != x.dtype:  # bf16 weights: bf16 in, fp32 residual stream out

@@ -16,7 +16,8 @@ import torch
 from disagg.engine.config import EngineConfig, ModelArgs
 from disagg.engine.kernels import CPU
 from disagg.engine.kv_payload import KVPayload, check_start
-from disagg.engine.model import KVCacheSlots, zeros_kv
+from disagg.engine.model import KVCacheSlots
+from disagg.engine.prefault import zeros_kv
 from disagg.engine.prefix_cache import (
     BlockHash,
     CacheEvent,

@@ -46,6 +46,7 @@ from disagg.engine.kernels import (
 from disagg.engine.layers import rms_norm, rope_tables, silu_mul, split_qkv
 from disagg.engine.packed_prefill import Chunk
 from disagg.engine.prefault import prefault as prefault_pages
+from disagg.engine.prefault import zeros_kv
 from disagg.engine.quant import QuantLinear
 from disagg.errors import ConfigError
 
@@ -62,18 +63,6 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [dim]
     w13: Linear | BlockLinear  # [2 * hidden, dim]: gate rows, then up rows
     w2: Linear | BlockLinear  # [dim, hidden]
-
-
-def zeros_kv(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pair of fp32 K/V buffers of `shape`, zeros. On the CPU through numpy's calloc: pages
-    cost memory only once written (device memory is committed at allocation)."""
-    if device.type == "cpu":
-        return (
-            torch.from_numpy(np.zeros(shape, dtype=np.float32)),
-            torch.from_numpy(np.zeros(shape, dtype=np.float32)),
-        )
-    k = torch.zeros(shape, dtype=torch.float32, device=device)
-    return k, torch.zeros_like(k)
 
 
 class KVCacheSlots:
@@ -190,6 +179,8 @@ class Llama:
         self.weights = "+".join(formats) or self.compute_dtype
         self.fused = fused_decode.supported(self)
         self.activations = activations if self.fused or self.bf16_blocks else "float32"
+        # past this many prompt rows the blocks' dense copy (kernels.linear)
+        self.prompt_rows = quant.PROMPT_ROWS if self.fused else quant.DIRECT_ROWS
         if activations != self.activations:
             log.warning("activations %s need quantized blocks served: decoding fp32", activations)
         self.cos, self.sin = (t.to(self.device) for t in rope_tables(args))
@@ -255,11 +246,13 @@ class Llama:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [M, dim] -> q [M, H, D], k/v [M, H_kv, D], with RoPE applied to q and k."""
         h = rms_norm(x, layer.attn_norm, self.args.norm_eps, self.fused)
-        return split_qkv(self.args, linear(h, layer.wqkv), cos, sin, self.fused)
+        qkv = linear(h, layer.wqkv, self.prompt_rows)
+        return split_qkv(self.args, qkv, cos, sin, self.fused)
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, layer.ffn_norm, self.args.norm_eps, self.fused)
-        return linear(silu_mul(linear(h, layer.w13), self.fused), layer.w2)
+        act = silu_mul(linear(h, layer.w13, self.prompt_rows), self.fused)
+        return linear(act, layer.w2, self.prompt_rows)
 
     # ------------------------------------------------------------ prefill
 
@@ -295,10 +288,11 @@ class Llama:
                 enable_gqa=True,
                 scale=self.scale,
             )  # [1, H, S, D]
-            x = x + linear(o[0].transpose(0, 1).reshape(s, -1), layer.wo)
+            x = x + linear(o[0].transpose(0, 1).reshape(s, -1), layer.wo, self.prompt_rows)
             x = x + self._mlp(layer, x)
         last = x if all_logits else x[-1:]
-        logits = linear(rms_norm(last, self.norm, a.norm_eps, self.fused), self.lm_head)
+        h = rms_norm(last, self.norm, a.norm_eps, self.fused)
+        logits = linear(h, self.lm_head, self.prompt_rows)
         return (logits if all_logits else logits[0]), k_out, v_out
 
     @torch.inference_mode()
@@ -329,7 +323,7 @@ class Llama:
                 enable_gqa=True,
                 scale=self.scale,
             )  # [1, H, n, D]
-            x = x + linear(o[0].transpose(0, 1).reshape(n, -1), layer.wo)
+            x = x + linear(o[0].transpose(0, 1).reshape(n, -1), layer.wo, self.prompt_rows)
             x = x + self._mlp(layer, x)
         return linear(rms_norm(x[-1:], self.norm, a.norm_eps, self.fused), self.lm_head)[0]
 

@@ -9,9 +9,9 @@ stays per chunk (each attends over its own slot of the KV cache).
 
 Bit for bit: a row's product does not depend on the other rows of the same kernel (oneDNN's
 dense GEMM from two rows on, the block kernels at any count: kernels.py), but a chunk of at
-most DIRECT_ROWS rows multiplies blocks alone and a longer one the dense weights. So the rows
-go in two groups, chunks that would run on blocks and chunks that would run dense, each
-multiplied as one; the last rows' LM head likewise in groups of at most DIRECT_ROWS. Norms,
+most `model.prompt_rows` rows multiplies blocks alone and a longer one the dense weights. So
+the rows go in two groups, chunks that would run on blocks and chunks that would run dense,
+each multiplied as one; the last rows' LM head likewise in groups of at most that. Norms,
 RoPE, SiLU and the residual adds are row by row. tests/model/test_packed_prefill.py holds it
 to `prefill_chunk` with torch.equal.
 """
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from disagg.engine.fused_decode import KVCacheSlots, Llama  # what both read of model.py
 from disagg.engine.kernels import BlockLinear, Linear, linear
 from disagg.engine.layers import rms_norm, silu_mul, split_qkv
-from disagg.engine.quant import DIRECT_ROWS, qlinear
+from disagg.engine.quant import qlinear
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,11 @@ def prefill_chunks(model: Llama, chunks: list[Chunk], cache: KVCacheSlots) -> li
     a = model.args
     dev = model.device
     # blocks-sized chunks first: each kernel's rows form one contiguous group
-    order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > DIRECT_ROWS)
+    rows = model.prompt_rows  # past it, a chunk's rows multiply the dense copy
+    order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > rows)
     todo = [chunks[i] for i in order]
     sizes = [len(c.token_ids) for c in todo]
-    small = sum(n for n in sizes if n <= DIRECT_ROWS)
+    small = sum(n for n in sizes if n <= rows)
     bounds = [0]
     for n in sizes:
         bounds.append(bounds[-1] + n)
@@ -100,7 +101,7 @@ def prefill_chunks(model: Llama, chunks: list[Chunk], cache: KVCacheSlots) -> li
     last = torch.stack([x[b - 1] for b in bounds[1:]])  # [chunks, dim]
     h = rms_norm(last, model.norm, a.norm_eps, model.fused)
     logits = torch.cat(
-        [linear(h[j : j + DIRECT_ROWS], model.lm_head) for j in range(0, len(todo), DIRECT_ROWS)]
+        [linear(h[j : j + rows], model.lm_head, rows) for j in range(0, len(todo), rows)]
     )
     out: list[torch.Tensor] = [torch.empty(0)] * len(chunks)
     for j, i in enumerate(order):

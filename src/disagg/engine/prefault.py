@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
 log = logging.getLogger("disagg.engine")
 MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+); EINVAL on older kernels
@@ -76,3 +77,15 @@ def prefault(arrays: list[np.ndarray[Any, Any]], background: bool = True) -> thr
 
     threading.Thread(target=run, name="kv-prefault", daemon=True).start()
     return done
+
+
+def zeros_kv(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pair of fp32 K/V buffers of `shape`, zeros. On the CPU through numpy's calloc: pages
+    cost memory only once written (device memory is committed at allocation)."""
+    if device.type == "cpu":
+        return (
+            torch.from_numpy(np.zeros(shape, dtype=np.float32)),
+            torch.from_numpy(np.zeros(shape, dtype=np.float32)),
+        )
+    k = torch.zeros(shape, dtype=torch.float32, device=device)
+    return k, torch.zeros_like(k)

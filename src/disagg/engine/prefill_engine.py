@@ -22,7 +22,8 @@ from disagg.engine.config import EngineConfig
 from disagg.engine.grammar import guide_for
 from disagg.engine.kv_payload import KVPayload, check_start
 from disagg.engine.kv_reuse import kv_reuse_for
-from disagg.engine.model import KVCacheSlots, Llama, zeros_kv
+from disagg.engine.model import KVCacheSlots, Llama
+from disagg.engine.prefault import zeros_kv
 from disagg.engine.sampling import sample_one, token_logprobs
 from disagg.engine.sequence import SamplingParams, TokenLogprob, validate_request
 

@@ -41,6 +41,10 @@ log = logging.getLogger("disagg.engine.quant")
 
 GROUP = 32
 DIRECT_ROWS = 64  # beyond: prefill's rows, multiplied by the dense fp32 weights (kernels.py)
+# the same where decode never multiplies through kernels.linear (fused_decode: the blocks
+# at any batch size): the dense copy is faster from ~8 rows on (a 64-token chunk 41 against
+# 74 ms on a Zen 4, 2026-12-06; from 16 rows on an AVX2 EPYC: docs/benchmarks.md)
+PROMPT_ROWS = 8
 FORMATS = ("q4_0", "q4_1", "q8_0")
 # fp32 activations (qmatmul.c), int8-quantized ones (qdot.c), bf16 arithmetic (qbf16.c)
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "qdot.c", "qbf16.c"))
