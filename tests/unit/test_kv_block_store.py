@@ -1,0 +1,31 @@
+"""The prefix cache's block store: what it saves from a decode slot (a strided view, any
+dtype the KV cache may have) comes back bit for bit, in the rows it was given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.engine.config import ModelArgs
+from disagg.engine.kv_reuse import KVBlockStore
+
+pytestmark = pytest.mark.unit
+ARGS = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_saved_blocks_load_back_bit_for_bit_from_a_slot_view(dtype):
+    bs, slots, max_len = 4, 3, 40
+    store = KVBlockStore(ARGS, num_blocks=8, block_size=bs)
+    store.k, store.v = store.k.to(dtype), store.v.to(dtype)
+    shape = (ARGS.n_layers, slots, ARGS.n_kv_heads, max_len, ARGS.head_dim)
+    cache_k, cache_v = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+    k, v = cache_k[:, 1], cache_v[:, 1]  # slot 1: not contiguous, as KVReuse.keep passes it
+    assert not k.is_contiguous()
+    store.save([5, 2, 7], [0, 3, 1], k, v)  # rows in any order, blocks 0, 3, 1 of the slot
+    got_k, got_v = store.load([5, 7, 2])  # blocks 0, 1, 3 one after another
+    for got, want in ((got_k, k), (got_v, v)):
+        assert got.dtype == dtype
+        assert torch.equal(got[:, :, : 2 * bs], want[:, :, : 2 * bs])
+        assert torch.equal(got[:, :, 2 * bs :], want[:, :, 3 * bs : 4 * bs])
+    assert not store.k[[0, 1, 3, 4, 6]].any()  # rows not named stay empty
