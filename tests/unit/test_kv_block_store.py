@@ -29,3 +29,12 @@ def test_saved_blocks_load_back_bit_for_bit_from_a_slot_view(dtype):
         assert torch.equal(got[:, :, : 2 * bs], want[:, :, : 2 * bs])
         assert torch.equal(got[:, :, 2 * bs :], want[:, :, 3 * bs : 4 * bs])
     assert not store.k[[0, 1, 3, 4, 6]].any()  # rows not named stay empty
+
+
+def test_a_slot_in_another_dtype_is_converted_not_reinterpreted():
+    bs = 4
+    store = KVBlockStore(ARGS, num_blocks=2, block_size=bs)  # fp32 rows
+    k = torch.randn(ARGS.n_layers, ARGS.n_kv_heads, 2 * bs, ARGS.head_dim).to(torch.bfloat16)
+    store.save([1], [1], k, k)
+    got, _ = store.load([1])
+    assert torch.equal(got, k[:, :, bs:].float())

@@ -60,7 +60,8 @@ class KVBlockStore:
         a slot of the decode cache or a prefill's output) as row block_ids[i]."""
         bs = self.block_size
         for dst, src in ((self.k, k), (self.v, v)):
-            d, s = (_host_view(dst), _host_view(src)) if dst.device.type == "cpu" else (dst, src)
+            same = dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
+            d, s = (_host_view(dst), _host_view(src)) if same else (dst, src)  # else converts
             for block, pos in zip(block_ids, positions, strict=True):
                 d[block] = s[:, :, pos * bs : (pos + 1) * bs]
 
