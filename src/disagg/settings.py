@@ -26,6 +26,7 @@ from typing import Any
 from disagg.contracts import CONDITIONAL, DISAGGREGATED, MODES
 from disagg.engine.config import ACTIVATIONS
 from disagg.errors import ConfigError
+from disagg.prefill_yield import prefill_yield
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("all", "frontend", "prefill", "decode")
@@ -63,8 +64,7 @@ class ServeSettings:
     # picks per request; "auto": conditional where the pools would share this machine's
     # cores, disaggregated where prefill has hardware of its own (see `resolved_mode`)
     mode: str = "auto"
-    # conditional mode: the share of a remote prefill's time that still slows decode. 0.5 when
-    # both pools share CPU cores (the default CPU setup); 0 for pools on separate GPUs.
+    # conditional mode: the share of a remote prefill's time that still slows decode (0: GPUs)
     conditional_remote_stall: float = 0.5
     prefill_instances: int = 1  # prefill pool size (processes)
     decode_instances: int = 1  # decode pool size (processes, one engine each)
@@ -105,7 +105,7 @@ class ServeSettings:
     # the engine of the prefill and decode pools: "pytorch" (disagg's, CPU) or "tensorrt_llm"
     # (NVIDIA GPUs; see docs/gpu.md and build_engines/build_trtllm_engine.py)
     engine_backend: str = "pytorch"
-    prefill_torch_threads: int = 0  # 0: torch's default (all cores)
+    prefill_torch_threads: int = 0  # 0: torch's default; both 0: prefill_yield.py decides
     prefill_nice: int = 0  # prefill processes' niceness 0-19: yield shared cores to decode
     decode_torch_threads: int = 0
     prefill_timeout_s: float = 60.0  # then the request falls back to decode's own prefill
@@ -392,6 +392,7 @@ def template_values(s: ServeSettings, run_dir: Path) -> dict[str, str]:
     values["run_dir"] = str(run_dir)
     values["kv_pull"] = str(s.kv_pull).lower()
     values["mode"] = s.resolved_mode()[0]
+    values["prefill_torch_threads"], values["prefill_nice"] = map(str, prefill_yield(s))
     return values
 
 

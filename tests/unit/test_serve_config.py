@@ -85,6 +85,27 @@ def test_mode_auto_is_disaggregated_only_where_prefill_has_hardware_of_its_own(
     assert template_values(s, tmp_path)["mode"] == mode  # what the orchestrator is given
 
 
+@pytest.mark.parametrize(
+    "settings, threads_nice",
+    [
+        ({}, ("1", "10")),  # auto -> conditional, both pools on this CPU: prefill yields
+        ({"mode": "conditional"}, ("1", "10")),
+        ({"mode": "disaggregated"}, ("0", "0")),  # every prompt remote: keep its cores
+        ({"mode": "colocated"}, ("0", "0")),
+        ({"prefill_replicas": "h:1"}, ("0", "0")),  # prefill has servers of its own
+        ({"role": "prefill"}, ("0", "0")),
+        ({"engine_backend": "tensorrt_llm"}, ("0", "0")),
+        ({"prefill_torch_threads": 2}, ("2", "0")),  # set: as set
+        ({"prefill_nice": 5}, ("0", "5")),
+    ],
+)  # fmt: skip
+def test_prefill_yields_shared_cores_only_where_conditional_runs_both_pools_on_one_cpu(
+    tmp_path, settings, threads_nice
+):
+    values = template_values(ServeSettings(**settings), tmp_path)
+    assert (values["prefill_torch_threads"], values["prefill_nice"]) == threads_nice
+
+
 def test_compute_dtype_defaults_to_auto_and_refuses_others():
     assert ServeSettings().compute_dtype == "auto"
     for ok in ("auto", "float32", "bfloat16"):
