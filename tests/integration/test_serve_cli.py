@@ -20,6 +20,7 @@ from helpers.processes import child
 from helpers.triton_server import serve_env
 
 from disagg import contracts as C
+from disagg.process import stat_fields
 from disagg.serve.supervisor import stub_processes
 
 pytestmark = pytest.mark.integration
@@ -50,6 +51,12 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         assert "curl" in banner and "admin-key: " in banner
         # mode auto on one machine: conditional (the cost model picks per request)
         assert re.search(r"mode\s+conditional \(prefill and decode would share", banner), banner
+        # ...so prefill yields decode's cores (prefill_yield.py): every thread at nice 10
+        assert re.search(r"prefill\s+1 torch thread at nice 10", banner), banner
+        stubs = stub_processes(child(proc.pid, "tritonserver"))
+        nice = {m: {int(stat_fields(p)[16]) for p, (m2, _) in stubs.items() if m2 == m}
+                for m in ("prefill", "decode")}  # fmt: skip
+        assert nice == {"prefill": {10}, "decode": {0}}, nice
         body = json.dumps({C.TEXT_INPUT: "Hi", C.APPLY_CHAT_TEMPLATE: True, C.MAX_TOKENS: 4})
         req = urllib.request.Request(
             f"http://127.0.0.1:{http}/v2/models/ensemble/generate", data=body.encode()

@@ -21,6 +21,7 @@ from disagg.engine.config import QUANT_WEIGHTS_FILE
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
 from disagg.hold import Hold
+from disagg.prefill_yield import SHARED_NICE, SHARED_THREADS, prefill_yield, shares_cores
 from disagg.process import PARENT_ENV, exit_with_parent
 from disagg.serve import recycle
 from disagg.serve.gateway_process import GatewayProcess
@@ -219,10 +220,17 @@ def _weights(settings: ServeSettings) -> str:
 def print_banner(settings: ServeSettings, gateway: GatewayProcess, e: Endpoints) -> None:
     mode, why = settings.resolved_mode()
     why = "" if why == "set" else f" ({why}; DISAGG_MODE= sets another)"
+    threads, nice = prefill_yield(settings)
+    yields = (
+        f"\n  prefill  {threads} torch thread at nice {nice}: yields decode's cores "
+        "(DISAGG_PREFILL_TORCH_THREADS / DISAGG_PREFILL_NICE set others)"
+        if shares_cores(settings) and (threads, nice) == (SHARED_THREADS, SHARED_NICE)
+        else ""
+    )
     print(f"""
 disagg is serving {settings.engine_dir} ({settings.prefill_instances} prefill,
 {settings.decode_instances} decode instance(s); weights {_weights(settings)})
-  mode     {mode}{why}
+  mode     {mode}{why}{yields}
   OpenAI   {gateway.url}/v1   (chat/completions, completions, models)
   HTTP     {e.http}   (KServe v2, /v2/models/ensemble/generate, generate_stream)
   gRPC     {e.grpc}
