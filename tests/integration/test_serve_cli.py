@@ -20,7 +20,6 @@ from helpers.processes import child
 from helpers.triton_server import serve_env
 
 from disagg import contracts as C
-from disagg.process import stat_fields
 from disagg.serve.supervisor import stub_processes
 
 pytestmark = pytest.mark.integration
@@ -54,7 +53,7 @@ def test_serve_prints_endpoints_answers_and_stops_on_ctrl_c(engine_dir, tmp_path
         # ...so prefill yields decode's cores (prefill_yield.py): every thread at nice 10
         assert re.search(r"prefill\s+1 torch thread at nice 10", banner), banner
         stubs = stub_processes(child(proc.pid, "tritonserver"))
-        nice = {m: {int(stat_fields(p)[16]) for p, (m2, _) in stubs.items() if m2 == m}
+        nice = {m: {os.getpriority(os.PRIO_PROCESS, p) for p, (m2, _) in stubs.items() if m2 == m}
                 for m in ("prefill", "decode")}  # fmt: skip
         assert nice == {"prefill": {10}, "decode": {0}}, nice
         body = json.dumps({C.TEXT_INPUT: "Hi", C.APPLY_CHAT_TEMPLATE: True, C.MAX_TOKENS: 4})

@@ -21,7 +21,7 @@ from disagg.engine.config import QUANT_WEIGHTS_FILE
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV, key_hash, new_key, write_keys_file
 from disagg.hold import Hold
-from disagg.prefill_yield import SHARED_NICE, SHARED_THREADS, prefill_yield, shares_cores
+from disagg.prefill_yield import prefill_yield
 from disagg.process import PARENT_ENV, exit_with_parent
 from disagg.serve import recycle
 from disagg.serve.gateway_process import GatewayProcess
@@ -221,10 +221,10 @@ def print_banner(settings: ServeSettings, gateway: GatewayProcess, e: Endpoints)
     mode, why = settings.resolved_mode()
     why = "" if why == "set" else f" ({why}; DISAGG_MODE= sets another)"
     threads, nice = prefill_yield(settings)
-    yields = (
+    yields = (  # only where prefill_yield chose them: what was set is the user's own
         f"\n  prefill  {threads} torch thread at nice {nice}: yields decode's cores "
         "(DISAGG_PREFILL_TORCH_THREADS / DISAGG_PREFILL_NICE set others)"
-        if shares_cores(settings) and (threads, nice) == (SHARED_THREADS, SHARED_NICE)
+        if (threads, nice) != (settings.prefill_torch_threads, settings.prefill_nice)
         else ""
     )
     print(f"""
