@@ -3,6 +3,9 @@ dtype the KV cache may have) comes back bit for bit, in the rows it was given.""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import pytest
 import torch
 
@@ -38,3 +41,27 @@ def test_a_slot_in_another_dtype_is_converted_not_reinterpreted():
     store.save([1], [1], k, k)
     got, _ = store.load([1])
     assert torch.equal(got, k[:, :, bs:].float())
+
+
+def _resident_share(t: torch.Tensor) -> float:
+    """The share of `t`'s whole pages that are in memory now (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * ((end - start) // mmap.PAGESIZE))()
+    assert libc.mincore(start, end - start, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / len(vec)
+
+
+def test_a_prefaulted_store_has_its_pages_before_the_first_save():
+    # a decode engine's store (prefault_kv): a step that keeps a sequence must not fault
+    args = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, hidden_dim=128, vocab_size=9)
+    # 40 MB a side: past glibc's largest mmap threshold (32 MB), so calloc maps fresh pages
+    # rather than handing back resident memory an earlier test freed
+    lazy = KVBlockStore(args, num_blocks=2560, block_size=16)
+    eager = KVBlockStore(args, num_blocks=2560, block_size=16, prefault=True)
+    assert eager.prefaulted.wait(10)
+    assert _resident_share(eager.k) == 1.0 and _resident_share(eager.v) == 1.0
+    assert _resident_share(lazy.k) < 0.5  # pages come with the first write
+    assert not eager.k.any()  # (and it is still zeros)

@@ -17,6 +17,7 @@ from disagg.engine.config import EngineConfig, ModelArgs
 from disagg.engine.kernels import CPU
 from disagg.engine.kv_payload import KVPayload, check_start
 from disagg.engine.model import KVCacheSlots
+from disagg.engine.prefault import prefault as prefault_pages
 from disagg.engine.prefault import zeros_kv
 from disagg.engine.prefix_cache import (
     BlockHash,
@@ -34,14 +35,23 @@ if TYPE_CHECKING:
 
 class KVBlockStore:
     """Row b holds one cached block's K/V. k, v: [num_blocks, L, H_kv, block_size, D],
-    calloc'd like the decode slots (a row costs memory once written)."""
+    calloc'd like the decode slots (a row costs memory once written), and like them given
+    its pages in the background when `prefault` (engine/prefault.py): a decode step that
+    keeps a finished 1,600-token sequence wrote 74 MB of fresh pages, and their faults
+    took that step from ~40 to 120-260 ms on a busy 2-core box (docs/benchmarks.md)."""
 
     def __init__(
-        self, args: ModelArgs, num_blocks: int, block_size: int, device: torch.device = CPU
-    ) -> None:
+        self, args: ModelArgs, num_blocks: int, block_size: int, device: torch.device = CPU,
+        prefault: bool = False,
+    ) -> None:  # fmt: skip
         shape = (num_blocks, args.n_layers, args.n_kv_heads, block_size, args.head_dim)
         self.k, self.v = zeros_kv(shape, device)
         self.block_size = block_size
+        self.prefaulted = threading.Event()
+        if prefault and device.type == "cpu":
+            self.prefaulted = prefault_pages([self.k.numpy(), self.v.numpy()])
+        else:
+            self.prefaulted.set()
 
     def load(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks one after another: k, v [L, H_kv, n * block_size, D]."""
@@ -91,10 +101,10 @@ class KVReuse:
 
     def __init__(
         self, args: ModelArgs, compute_dtype: str, num_blocks: int, block_size: int,
-        device: torch.device = CPU,
+        device: torch.device = CPU, prefault: bool = False,
     ) -> None:  # fmt: skip
         self.index = PrefixCache(num_blocks, block_size)
-        self.store = KVBlockStore(args, num_blocks, block_size, device)
+        self.store = KVBlockStore(args, num_blocks, block_size, device, prefault)
         self.block_size = block_size
         self._root = root_hash(args.fingerprint, compute_dtype, block_size)
         self._lock = threading.Lock()  # the index and the rows it names change together
@@ -216,5 +226,5 @@ def kv_reuse_for(model: Llama, config: EngineConfig) -> KVReuse | None:
     acts = "" if model.activations == "float32" else "/" + model.activations
     return KVReuse(
         model.args, model.weights + acts, config.num_prefix_cache_blocks, config.block_size,
-        model.device,
+        model.device, config.prefault_kv,
     )  # fmt: skip
