@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from disagg import heartbeat
+from disagg import heartbeat, kvshm
 from disagg.cancel import CancelRegistry
 from disagg.engine.llm_engine import PrefillEngine
 from disagg.engine.model import Llama
@@ -52,18 +52,32 @@ class TritonPythonModel:
         self.kv = None
         if p.kv_pull:
             self.kv = prefill_side.KVLeaseServer.start(p, args, self.metrics.leased_bytes)
+        # decode in this server: payloads in shared-memory files, a reference in the reply
+        # (kvshm.py: the bytes skip tritonserver's threads that carry decode's tokens)
+        self.shm = None if p.kv_pull else kvshm.ShmHandoffs.open(p.kv_lease_mb << 20, p.kv_lease_s)
         # frontends elsewhere follow what its prefix cache holds (kvevents.py)
         self.kv_events = prefill_side.publish_kv_events(p, args, self.engine)
         heartbeat.start(Path(p.run_dir) / "heartbeat")  # last: a stub still loading is not judged
 
     def finalize(self):
-        for server in (getattr(self, "kv", None), getattr(self, "kv_events", None)):
+        for server in (getattr(self, n, None) for n in ("kv", "kv_events", "shm")):
             if server is not None:
                 server.close()
         pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)
 
     def execute(self, requests):
         return [self._prefill(r, i) for i, r in enumerate(requests)]
+
+    def _payload(self, kv, i: int):
+        """(the reply's payload: the bytes or a reference to them, how to free what it
+        references or None)."""
+        if self.shm is not None and (ref := self.shm.write(kv.packed_size(), kv.pack)):
+            return np.frombuffer(ref.to_bytes(), np.uint8), lambda: self.shm.drop(ref)
+        payload = kv.pack(self._buffer(i, kv.packed_size()))
+        if self.kv is None:
+            return payload, None
+        payload = self.kv.lease(payload)
+        return payload, lambda: self.kv.drop(payload)
 
     def _buffer(self, i: int, size: int) -> np.ndarray:
         while len(self.buffers) <= i:
@@ -95,16 +109,14 @@ class TritonPythonModel:
                     self.prefix_metrics.update(self.engine.kv_reuse.index.stats)
             compute_us = int((time.perf_counter() - start) * 1e6)  # the hand-off starts here
             if self.trtllm is None:
-                payload = result.kv.pack(self._buffer(i, result.kv.packed_size()))
-                if self.kv is not None:
-                    payload = self.kv.lease(payload)
-                    # a caller that left while the last layers ran or the payload was packed
-                    # (100+ ms for a long prompt) never gets this reply, nor the reference
-                    # in it: its lease would wait for the TTL (a CI failure showed 83 MB
-                    # held), so it is dropped here
-                    if cancelled.now():
-                        self.kv.drop(payload)
-                        raise RequestCancelledError(f"prefill of {rid}: the caller went away")
+                payload, drop = self._payload(result.kv, i)
+                # a caller that left while the last layers ran or the payload was packed
+                # (100+ ms for a long prompt) never gets this reply, nor the reference in
+                # it: its lease or file would wait for the TTL (a CI failure showed 83 MB
+                # held), so it is dropped here
+                if drop is not None and cancelled.now():
+                    drop()
+                    raise RequestCancelledError(f"prefill of {rid}: the caller went away")
             return prefill_side.prefill_response(
                 result, payload, self.pid, compute_us, start_wall_ns, kv_start
             )

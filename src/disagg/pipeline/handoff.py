@@ -33,11 +33,15 @@ def skip_tokens(num_cached_on_decode: int, num_prompt_tokens: int, block_size: i
 def kv_path(payload: npt.NDArray[np.uint8]) -> tuple[str, int]:
     """(path, payload bytes moved) of a hand-off: "network" for a reference a decode server
     pulls from a prefill server (the bytes it names), "trtllm" for TensorRT-LLM's parameters
-    (its transceiver moves the cache), "shm" for a payload passed within one server."""
+    (its transceiver moves the cache), "shm" for a payload passed within one server (in a
+    shared-memory file it names, kvshm.py, or inline)."""
     from disagg.kvnet import KVRef
+    from disagg.kvshm import ShmRef
     from disagg.trtllm.payload import is_trtllm_payload
 
     data = np.ascontiguousarray(payload, np.uint8).reshape(-1).data
+    if (local := ShmRef.parse(data)) is not None:
+        return "shm", local.nbytes
     ref = KVRef.parse(data)
     if ref is not None:
         return "network", ref.nbytes
@@ -48,8 +52,13 @@ def kv_path(payload: npt.NDArray[np.uint8]) -> tuple[str, int]:
 
 def release(payload: npt.NDArray[np.uint8]) -> bool:
     """Free a hand-off nobody will decode (its client left): a lease on a prefill server is
-    dropped at once rather than after its TTL (whether one was); a payload passed within
-    one server is freed when its last reference goes, which the caller lets go of."""
+    dropped at once rather than after its TTL, and so is a shared-memory file (whether one
+    was); a payload passed inline is freed when its last reference goes, which the caller
+    lets go of."""
     from disagg.kvnet import release as drop_lease
+    from disagg.kvshm import ShmRef, unlink
 
+    local = ShmRef.parse(np.ascontiguousarray(payload, np.uint8).reshape(-1).data)
+    if local is not None:
+        return unlink(local)
     return drop_lease(payload, C.internal_token())

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import triton_python_backend_utils as pb_utils
 
 from disagg import contracts as C
-from disagg import kvevents, kvnet
+from disagg import kvevents, kvnet, kvshm
 from disagg.codec.pools import DecodeCall, DecodeStepResponse
 from disagg.codec.tensors import Array
 from disagg.engine.sequence import SamplingParams, TokenLogprob
@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 
 def resolve_kv_reference(data: bytes | memoryview, timeout_s: float = 30.0) -> Any:
-    """A payload's bytes: `data` itself, or pulled from the prefill server it names."""
+    """A payload's bytes: `data` itself, the shared-memory file it names (a prefill in this
+    server: kvshm.py), or pulled from the prefill server it names (kvnet.py)."""
+    if (local := kvshm.ShmRef.parse(data)) is not None:
+        return kvshm.open_payload(local)
     ref = KVRef.parse(data)
     if ref is None:
         return data
