@@ -132,3 +132,16 @@ def test_a_symlink_or_a_file_of_the_wrong_size_is_not_read(tmp_path):
     with pytest.raises(KVPayloadError, match="10 bytes"):
         kvshm.open_payload(short)
     assert not os.path.exists(short.path)
+
+
+def test_the_profile_times_the_same_path_and_leaves_no_file():
+    from disagg.engine.config import ModelArgs
+    from disagg.planner import handoff
+
+    before = {n for n in os.listdir(kvshm.SHM_DIR) if n.startswith("disagg-kv-")}
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=9)
+    samples = handoff.measure(args, (16, 256), reps=2)
+    sizes = [size for size, _ in samples["shm"]]
+    assert sizes == [size for size, _ in samples["pack"]] and sizes[0] < sizes[1]
+    assert all(seconds > 0 for _, seconds in samples["shm"])
+    assert {n for n in os.listdir(kvshm.SHM_DIR) if n.startswith("disagg-kv-")} == before

@@ -1,18 +1,16 @@
 """KV hand-off timings by payload size, for each path that exists here. Torch-free.
 
     pack     KVPayload.pack into a reused buffer: the prefill server, before it answers
-    shm      one server: the packed bytes copied into the orchestrator's shared memory and
-             from it into decode's (Triton's shared-memory tensors between the stubs:
-             emulated with two multiprocessing.shared_memory copies), then decode's
-             KVPayload.from_bytes (header and CRC32 check)
+    shm      one server: the packed bytes written into a fresh shared-memory file
+             (kvshm.ShmHandoffs, as the prefill process packs into it), decode's mapping
+             of it (kvshm.open_payload) and KVPayload.from_bytes (header and CRC32 check)
     network  servers apart: the prefill server's lease (a copy), decode's pull over loopback
              TCP from a real kvnet.KVServer, then from_bytes (benchmarks/kv_transfer_bench.py
              times the same steps)
 
 Each sample is [payload bytes, seconds] (median of `reps`). What the emulation leaves out:
-Triton's own handling of the tensors (measured end to end by benchmarks/serving_bench.py:
-47.2 MB in 60-85 ms for a 1024-token prompt, against ~30 ms for these copies), and on a real
-network the NIC's wire time.
+Triton's handling of the reply that carries the reference, and on a real network the NIC's
+wire time.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable
-from multiprocessing import shared_memory
 
 import numpy as np
 import numpy.typing as npt
@@ -29,6 +26,7 @@ import numpy.typing as npt
 from disagg.engine.config import ModelArgs
 from disagg.engine.kv_payload import KVPayload
 from disagg.kvnet import KVLeases, KVRef, KVServer, pull
+from disagg.kvshm import ShmHandoffs, open_payload
 from disagg.planner.profile import Samples
 
 
@@ -68,25 +66,21 @@ def measure(args: ModelArgs, tokens: tuple[int, ...], reps: int) -> dict[str, Sa
 
 
 def _shm_s(packed: npt.NDArray[np.uint8], reps: int) -> float:
-    n = packed.nbytes
-    segments = [shared_memory.SharedMemory(create=True, size=n) for _ in range(2)]
+    files = ShmHandoffs(capacity_bytes=1 << 40, ttl_s=60.0)
+
+    def run() -> object:
+        def fill(out: npt.NDArray[np.uint8]) -> None:
+            out[...] = packed  # (pack's own time is the "pack" sample)
+
+        ref = files.write(packed.nbytes, fill)
+        if ref is None:  # no room in /dev/shm: what this host would do is the inline path
+            raise OSError(f"no shared-memory file of {packed.nbytes} bytes here")
+        return KVPayload.from_bytes(open_payload(ref))
+
     try:
-        views: list[npt.NDArray[np.uint8]] = [
-            np.ndarray((n,), np.uint8, buffer=s.buf) for s in segments
-        ]
-
-        def run() -> object:
-            views[0][...] = packed  # prefill stub -> orchestrator
-            views[1][...] = views[0]  # orchestrator -> decode stub
-            return KVPayload.from_bytes(views[1].data)
-
-        seconds = _median_s(run, reps)
-        views.clear()  # (a segment cannot close while a view of it is alive)
-        return seconds
+        return _median_s(run, reps)
     finally:
-        for s in segments:
-            s.close()
-            s.unlink()
+        files.close()
 
 
 def _network_s(server: KVServer, token: str, packed: npt.NDArray[np.uint8], reps: int) -> float:
