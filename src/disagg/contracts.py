@@ -354,7 +354,7 @@ class Reply:
     prefill_pid: int = 0
     decode_pid: int = 0
     token_ids: list[int] = field(default_factory=list)
-    kv_bytes: int = 0  # size of the KV payload handed from prefill to decode
+    kv_bytes: int = 0  # KV hand-off bytes that passed the orchestrator (a reference's: kvshm)
     kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
     num_cached_tokens: int = 0  # final: prompt tokens a prefix cache gave (not recomputed)
     # when the request asks: this response's tokens as OpenAI's logprobs objects (token,

@@ -312,8 +312,8 @@ class Orchestrator:
         run.kv_handoff_s = max(
             handoff.call_time_s - handoff.queue_s - handoff.prefill_time_s + accept_s, 0.0
         )
+        run.kv_bytes = int(handoff.kv_payload.nbytes)  # what passed through here
         path, moved = kv_path(handoff.kv_payload)
-        run.kv_bytes = moved  # the payload's, also where only a reference to it came here
         self.events.kv_handoff(moved, run.kv_handoff_s, path)
         moved = run.num_input_tokens - handoff.kv_start  # decode took the rest from its cache
         self.cost_model.observe_handoff(moved, run.kv_handoff_s)

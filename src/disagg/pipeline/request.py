@@ -104,7 +104,7 @@ class RequestRun:
     prefill_pid: int = 0
     decode_pid: int = 0  # set by decode's first response (its acknowledgement)
     token_ids: list[int] = field(default_factory=list)  # every output token so far
-    kv_bytes: int = 0  # size of the KV payload handed from prefill to decode
+    kv_bytes: int = 0  # hand-off bytes that passed here (a reference where the payload did not)
     kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
     last_token_s: float | None = None  # perf_counter() of the latest token; None before TTFT
     num_cached_tokens: int = 0  # prompt tokens a prefix cache gave (prefill's or decode's)
