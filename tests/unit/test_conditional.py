@@ -115,6 +115,7 @@ def test_it_learns_prefill_and_hand_off_speed_from_reports():
     assert model.local_s_per_token == pytest.approx(0.75e-3)
     model.observe_local_prefill(10, 5.0)  # a short prompt: mostly waiting for a step
     assert model.local_s_per_token == pytest.approx(0.75e-3)
+    assert model.local_fixed_s == pytest.approx((5.0 - 10 * 0.75e-3) / 2)  # its fixed cost
     model.observe_handoff(1000, 0.005 + 0.05)  # 50 us per token over the fixed 5 ms
     assert model.handoff_s_per_token == pytest.approx((1e-5 + 5e-5) / 2)
     model.observe_prefill(0, 1.0)  # nothing to learn from an empty prompt
@@ -126,6 +127,7 @@ def test_shared_cores_keep_prefill_local_separate_hardware_sends_it_away():
     # at half speed meanwhile (stall 0.5): the decoders lose the same time either way
     shared = CostModel(CostParams(prefill_s_per_token=1e-3, remote_stall=0.5, learn_rate=1.0))
     shared.observe_prefill(1000, 2.0)
+    shared.observe_local_prefill(1000, 1.0, beside=4)  # decode prefilled one beside others
     d = shared.decide(2000, Load(0, 4))
     # local 2 x 5 = 10 s; remote 4 + 0.045 + 4 x 4 x 0.5 = 12.045 s
     assert (d.remote, d.local_cost_s, d.remote_cost_s) == (False, 10.0, pytest.approx(12.045))
@@ -172,3 +174,51 @@ def test_a_learned_full_stall_keeps_prefill_local():
     assert model.remote_stall == pytest.approx(0.999)
     # local 2 s x 9 = 18 s; remote 2 + 0.045 + 8 x 2 x 0.999 = 18.03 s
     assert model.decide(2000, Load(0, 8)).remote is False
+
+
+def test_short_prompts_teach_the_fixed_cost_long_ones_the_cost_per_token():
+    # the failing rhythm round of 2026-12-06: one 64-token stream prompt went to the pool and
+    # took 166 ms; counted per token (2.6 ms) it kept three 1,600-token prompts local
+    model = CostModel(CostParams(prefill_s_per_token=1.5e-3, learn_rate=1.0))
+    model.observe_prefill(64, 0.166)
+    assert model.remote_s_per_token == pytest.approx(1.5e-3)
+    assert model.remote_fixed_s == pytest.approx(0.166 - 64 * 1.5e-3)
+    d = model.decide(1600, Load(0, 4))
+    assert d.remote and d.remote_prefill_s == pytest.approx(0.07 + 2.4)
+    model.observe_prefill(1600, 8.07)  # a long one: the per-token cost, less the fixed
+    assert model.remote_s_per_token == pytest.approx(8.0 / 1600)
+    assert model.remote_fixed_s == pytest.approx(0.07)
+
+
+def test_until_decode_prefilled_a_long_prompt_beside_others_it_is_taken_as_fast_as_the_pool():
+    model = CostModel(CostParams(prefill_s_per_token=1.5e-3, remote_stall=0.2, learn_rate=1.0))
+    model.observe_prefill(1600, 8.0)  # the pool: 5 ms a token (one thread at nice 10)
+    d = model.decide(1600, Load(0, 4))
+    # not the 1.5 ms prior: local 8 x 5 = 40 s; remote 8 + 0.037 + 4 x 8 x 0.2 = 14.437 s
+    assert d.local_prefill_s == pytest.approx(8.0) and d.remote and d.local_cost_s == 40.0
+    model.observe_local_prefill(1600, 1.6, beside=0)  # decode idle: runs at a speed not needed
+    assert model.decide(1600, Load(0, 4)).local_prefill_s == pytest.approx(8.0)
+    model.observe_local_prefill(1600, 1.6, beside=4)  # beside four: 1 ms a token, learned
+    d = model.decide(1600, Load(0, 4))
+    assert d.local_prefill_s == pytest.approx(1.6) and not d.remote
+
+
+def test_a_fixed_cost_holds_up_its_own_request_and_each_queued_one_not_the_decoders():
+    model = CostModel(CostParams(prefill_s_per_token=1e-3, remote_stall=0.5, learn_rate=1.0))
+    model.observe_local_prefill(100, 1.1, beside=3)  # 1 s of waiting for steps, 0.1 s compute
+    model.observe_prefill(100, 0.6)  # the pool: 0.5 s of call and queueing, 0.1 s compute
+    d = model.decide(100, Load(300, 10, prefill_queue_requests=3))
+    # local = 1.1 + 10 x 0.1 = 2.1 s (not 1.1 x 11); the three queued prompts cost their
+    # tokens and their fixed costs: Q = 0.3 + 3 x 0.5 = 1.8 s;
+    # remote = 1.8 + 0.6 + (0.005 + 100 x 2e-5) + 10 x 0.1 x 0.5 = 2.907 s
+    assert d.local_cost_s == pytest.approx(2.1) and d.queue_s == pytest.approx(1.8)
+    assert d.remote_cost_s == pytest.approx(2.907) and not d.remote
+
+
+def test_the_tracker_counts_queued_prompts_with_their_tokens():
+    tracker = LoadTracker()
+    tracker.add_prefill(700)
+    tracker.add_prefill(64)
+    assert tracker.snapshot() == Load(764, 0, prefill_queue_requests=2)
+    tracker.add_prefill(-700)
+    assert tracker.snapshot() == Load(64, 0, prefill_queue_requests=1)

@@ -3,25 +3,39 @@ the decode pool prefill it itself? No Triton here.
 
 The choices differ in how fast the prefill runs and in who waits for it:
 
-    local  (decode prefills):  the request waits for its prefill, and so does every sequence
-                               decoding in that engine: with chunked prefill the stall is
-                               spread over its steps (a chunk per step) but adds up the same.
-        local_cost  = P_local + A * P_local
+    local  (decode prefills):  the request waits for its prefill, and every sequence decoding
+                               in that engine waits for its compute: with chunked prefill the
+                               stall is spread over its steps (a chunk per step) but adds up
+                               the same.
+        local_cost  = P_local + A * C_local
     remote (prefill pool):     the request waits for the prefill pool's queue, its prefill and
                                the KV hand-off; decoding sequences go on, slowed only as far as
                                the prefill pool shares their hardware (`remote_stall`: 0 on
                                separate GPUs, about the pool's share of the cores when both
                                pools share a CPU).
-        remote_cost = Q + P_remote + H + A * P_remote * remote_stall
+        remote_cost = Q + P_remote + H + A * C_remote * remote_stall
 
-    P_local  = prompt tokens x decode's own prefill seconds per token (learned from the time
-               decode takes to answer a request it prefills: chunks interleaved with decode
-               steps included)
-    P_remote = prompt tokens x the prefill pool's seconds per token (learned from its reports;
-               on shared cores it includes the contention with decode)
+    P_local  = F_local + prompt tokens x decode's own prefill seconds per token (learned
+               from the time decode takes to answer a request it prefills beside running
+               sequences: chunks interleaved with decode steps included)
+    P_remote = F_remote + prompt tokens x the prefill pool's seconds per token (learned from
+               its reports; on shared cores it includes the contention with decode)
+    C = P less F: a prefill's fixed cost (the call, waiting for a step) holds up only its
+        own request
     A = sequences this orchestrator has in decode now
-    Q = prompt tokens queued at the prefill pool x P_remote per token / prefill instances
+    Q = (prompt tokens queued at the prefill pool x its seconds per token + prompts queued
+        there x F_remote) / prefill instances
     H = hand-off fixed cost + prompt tokens x hand-off seconds per token   (per token: learned)
+
+Each side's prefill time is learned as a fixed cost F (from prompts shorter than
+`min_slope_tokens`, whose time is mostly the call and the step they wait for) plus a cost per
+token (from longer ones, less F): counting a 64-token prompt's fixed costs per token once
+made a 1,600-token prompt look 1.7x slower to prefill away than it was. Until decode has
+prefilled a long prompt beside running sequences, its speed per token is taken as the
+prefill pool's (the same engine; on shared cores the pool's reports include the contention):
+a constant prior that nothing corrects once long prompts go away kept them local on one run
+and not on the next. A prompt decode prefills while nothing else decodes teaches nothing: it
+runs at a speed the decision never needs (that case is local anyway).
 
 `remote_stall` is learned too, once enough tokens were seen both ways: a decode step that
 takes g seconds alone and g' while the prefill pool works loses (1 - g / g') of its time to
@@ -29,9 +43,10 @@ the prefill, so remote_stall = 1 - median(g) / median(g'), from the token gaps t
 orchestrator streams (medians: a co-located prefill's one long gap does not move them).
 
 On separate hardware P_remote ~ P_local and the stall ~ 0: remote wins once the running
-sequences' stall outweighs the hand-off. On shared cores the prefill pool gets a share f of
-them, so P_remote ~ P_local / f and the stall ~ f: the decoders lose the same time either
-way, the request's own prefill is slower remotely, and local wins.
+sequences' stall outweighs the hand-off. On shared cores the split depends on who yields:
+a chunked local prefill slows every decode step by its chunk's compute (the streams ran at
+15-22 tok/s against 80-97 with the long prompts sent away, docs/benchmarks.md), while a
+prefill pool running one thread at nice 10 (prefill_yield.py) slows them by 10-20%.
 
 The cheaper side wins; ties go local (no hand-off to fail). Each decision names its reason:
   decode_idle     local: nothing is decoding, so a local prefill delays nobody
@@ -74,7 +89,8 @@ class CostParams:
     learn_rate: float = 0.2  # weight of a new observation in the running estimates
     gap_window: int = 256  # token gaps kept per state for the stall estimate
     min_gaps: int = 32  # gaps needed in each state before the estimate replaces the prior
-    min_local_tokens: int = 256  # shorter local prefills are dominated by the step they wait for
+    # prefills shorter than this teach a side's fixed cost, longer ones its cost per token
+    min_slope_tokens: int = 256
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,7 @@ class Load:
 
     prefill_queue_tokens: int  # prompt tokens sent to the prefill pool and not yet back
     decode_active: int  # sequences this orchestrator has in the decode pool
+    prefill_queue_requests: int = 0  # the prompts those tokens belong to
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,8 @@ class CostModel:
             raise ValueError("need prefill_instances >= 1 and 0 <= remote_stall <= 1")
         self.local_s_per_token = p.prefill_s_per_token
         self.remote_s_per_token = p.prefill_s_per_token
+        self.local_fixed_s = self.remote_fixed_s = 0.0
+        self.local_learned = False  # has decode prefilled a long prompt beside others yet?
         self.handoff_fixed_s = p.handoff_fixed_s
         self.handoff_s_per_token = p.handoff_s_per_token
         self.remote_stall = p.remote_stall
@@ -134,15 +153,19 @@ class CostModel:
         would take from its prefix cache rather than compute."""
         p = self.params
         with self._lock:
-            local_spt, remote_spt = self.local_s_per_token, self.remote_s_per_token
+            remote_spt = self.remote_s_per_token
+            local_spt = self.local_s_per_token if self.local_learned else remote_spt
             stall = self.remote_stall
             moved = max(num_prompt_tokens - cached_local, 1)  # decode holds the rest
             handoff = self.handoff_fixed_s + moved * self.handoff_s_per_token
-        p_local = max(num_prompt_tokens - cached_local, 1) * local_spt
-        p_remote = max(num_prompt_tokens - cached_remote, 1) * remote_spt
-        queue = load.prefill_queue_tokens * remote_spt / p.prefill_instances
-        local = p_local + load.decode_active * p_local
-        remote = queue + p_remote + handoff + load.decode_active * p_remote * stall
+            c_local = max(num_prompt_tokens - cached_local, 1) * local_spt
+            c_remote = max(num_prompt_tokens - cached_remote, 1) * remote_spt
+            p_local, p_remote = self.local_fixed_s + c_local, self.remote_fixed_s + c_remote
+            queued = load.prefill_queue_tokens * remote_spt
+            queued += load.prefill_queue_requests * self.remote_fixed_s
+        queue = queued / p.prefill_instances
+        local = p_local + load.decode_active * c_local
+        remote = queue + p_remote + handoff + load.decode_active * c_remote * stall
         if remote < local:
             reason = PROTECT_DECODE
         elif 2 * cached_local >= num_prompt_tokens > cached_remote:
@@ -161,14 +184,25 @@ class CostModel:
         """A prefill the pool reported: its compute time for `num_tokens` prompt tokens."""
         if num_tokens > 0 and compute_s > 0:
             with self._lock:
-                self.remote_s_per_token = self._mix(self.remote_s_per_token, compute_s / num_tokens)
+                self.remote_fixed_s, self.remote_s_per_token = self._learn(
+                    self.remote_fixed_s, self.remote_s_per_token, num_tokens, compute_s
+                )
 
-    def observe_local_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A prompt decode prefilled itself: request sent -> first token (which includes
-        waiting for decode's current step: small next to the long prompts that matter)."""
-        if num_tokens >= self.params.min_local_tokens and seconds > 0:
+    def observe_local_prefill(self, num_tokens: int, seconds: float, beside: int = 1) -> None:
+        """A prompt decode prefilled itself while `beside` other sequences decoded: request
+        sent -> first token (which includes waiting for decode's current step)."""
+        if num_tokens > 0 and seconds > 0 and beside > 0:
             with self._lock:
-                self.local_s_per_token = self._mix(self.local_s_per_token, seconds / num_tokens)
+                self.local_fixed_s, self.local_s_per_token = self._learn(
+                    self.local_fixed_s, self.local_s_per_token, num_tokens, seconds
+                )
+                self.local_learned |= num_tokens >= self.params.min_slope_tokens
+
+    def _learn(self, fixed: float, per_token: float, n: int, seconds: float) -> tuple[float, float]:
+        """(fixed, per token) after a prefill of n tokens took `seconds`."""
+        if n < self.params.min_slope_tokens:
+            return self._mix(fixed, max(seconds - n * per_token, 0.0)), per_token
+        return fixed, self._mix(per_token, max(seconds - fixed, 0.0) / n)
 
     def observe_handoff(self, num_tokens: int, seconds: float) -> None:
         """A hand-off's measured time: the part over the fixed cost is charged per token."""
@@ -199,17 +233,23 @@ class LoadTracker:
     def __init__(self, on_change: Callable[[Load], None] | None = None) -> None:
         self._lock = threading.Lock()
         self.prefill_queue_tokens = 0
+        self.prefill_queue_requests = 0
         self.decode_active = 0
         self.on_change = on_change
 
     def snapshot(self) -> Load:
         with self._lock:
-            return Load(self.prefill_queue_tokens, self.decode_active)
+            return self._load()
+
+    def _load(self) -> Load:
+        return Load(self.prefill_queue_tokens, self.decode_active, self.prefill_queue_requests)
 
     def add_prefill(self, num_tokens: int) -> None:
+        """A prompt of `num_tokens` sent to the prefill pool (negative: back from it)."""
         with self._lock:
             self.prefill_queue_tokens += num_tokens
-            load = Load(self.prefill_queue_tokens, self.decode_active)
+            self.prefill_queue_requests += (num_tokens > 0) - (num_tokens < 0)
+            load = self._load()
         if self.on_change is not None:
             self.on_change(load)
 

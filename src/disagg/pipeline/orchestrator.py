@@ -274,7 +274,7 @@ class Orchestrator:
             if step.token_ids and handoff is None and run.last_token_s is None:
                 # decode prefilled this prompt itself: how fast it does that, for the cost model
                 self.cost_model.observe_local_prefill(
-                    len(current.prompt_ids), time.perf_counter() - sent
+                    len(current.prompt_ids), time.perf_counter() - sent, run.decode_beside
                 )
             if step.token_ids:
                 self._token_times(run, len(step.token_ids))
@@ -329,9 +329,11 @@ class Orchestrator:
             cached = self.locality.cached(req.prompt_ids, req.params.cache_salt)
         if (place := getattr(self.decode_pool, "place", None)) is not None:  # remote/pools.py
             cached[DECODE] = place(req.request_id, req.prompt_ids, req.params)
+        load = self.load.snapshot()
+        run.decode_beside = load.decode_active
         if self.mode == CONDITIONAL:
             decision = self.cost_model.decide(
-                n, self.load.snapshot(), cached_local=cached[DECODE], cached_remote=cached[PREFILL]
+                n, load, cached_local=cached[DECODE], cached_remote=cached[PREFILL]
             )
             self.events.decision(decision.remote, decision.reason)
             log.debug("request %s: %s", req.request_id, decision.explain())

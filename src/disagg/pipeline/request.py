@@ -108,6 +108,7 @@ class RequestRun:
     kv_handoff_s: float = 0.0  # moving it: serialise + transfer + verify + import
     last_token_s: float | None = None  # perf_counter() of the latest token; None before TTFT
     num_cached_tokens: int = 0  # prompt tokens a prefix cache gave (prefill's or decode's)
+    decode_beside: int = 0  # sequences this orchestrator had decoding when it was sent
     # when the request asks for logprobs: OpenAI's object for every token of the text so far,
     # and how many of them streamed deltas have carried
     logprobs: list[dict[str, Any]] | None = None

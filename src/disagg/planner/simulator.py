@@ -87,6 +87,7 @@ class _Run:
     served_by: str = ""
     handoff: SimHandoff | None = None
     sent_s: float = 0.0  # handed to decode
+    decode_beside: int = 0  # sequences decoding when it was (RequestRun.decode_beside)
     last_token_s: float | None = None
     release: Callable[[], None] = lambda: None  # its decode replica's outstanding count
     done: Callable[[], None] = lambda: None
@@ -220,8 +221,10 @@ class Simulator:
 
     def _prefill(self, run: _Run) -> None:
         n, mode = run.spec.prompt_tokens, self.topology.mode
+        load = self.load.snapshot()
+        run.decode_beside = load.decode_active
         if mode == CONDITIONAL:
-            d = self.cost_model.decide(n, self.load.snapshot())
+            d = self.cost_model.decide(n, load)
             self.counts[f"{'remote' if d.remote else 'local'}:{d.reason}"] += 1
             if not d.remote:
                 mode = COLOCATED
@@ -272,7 +275,7 @@ class Simulator:
     def _received(self, run: _Run, num_tokens: int, finish_reason: str | None) -> None:
         if num_tokens and run.handoff is None and run.last_token_s is None:
             self.cost_model.observe_local_prefill(
-                run.spec.prompt_tokens, self.loop.now - run.sent_s
+                run.spec.prompt_tokens, self.loop.now - run.sent_s, run.decode_beside
             )
         if num_tokens:
             self._token_times(run, num_tokens)
