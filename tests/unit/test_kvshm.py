@@ -145,3 +145,51 @@ def test_the_profile_times_the_same_path_and_leaves_no_file():
     assert sizes == [size for size, _ in samples["pack"]] and sizes[0] < sizes[1]
     assert all(seconds > 0 for _, seconds in samples["shm"])
     assert {n for n in os.listdir(kvshm.SHM_DIR) if n.startswith("disagg-kv-")} == before
+
+
+def test_an_unread_file_goes_at_its_ttl_with_no_write_to_sweep_it():
+    shm = kvshm.ShmHandoffs(capacity_bytes=1 << 20, ttl_s=0.2)  # swept every 0.1 s
+    try:
+        kv = payload()
+        ref = shm.write(kv.packed_size(), kv.pack)
+        deadline = time.monotonic() + 5
+        while os.path.exists(ref.path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(ref.path)
+    finally:
+        shm.close()
+
+
+def test_files_a_dead_process_left_are_removed_when_the_next_one_opens():
+    stale = os.path.join(kvshm.SHM_DIR, "disagg-kv-" + os.urandom(16).hex())
+    fresh = os.path.join(kvshm.SHM_DIR, "disagg-kv-" + os.urandom(16).hex())
+    for path in (stale, fresh):
+        with open(path, "wb") as f:
+            f.write(b"k" * 64)
+    old = time.time() - 120
+    os.utime(stale, (old, old))
+    shm = kvshm.ShmHandoffs.open(capacity_bytes=1 << 20, ttl_s=60.0)
+    try:
+        assert shm is not None
+        assert not os.path.exists(stale) and os.path.exists(fresh)  # another's, in flight
+    finally:
+        os.unlink(fresh)
+        shm.close()
+
+
+def test_it_leaves_room_in_dev_shm_for_tritons_own_shared_memory(shm):
+    st = os.statvfs(kvshm.SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    shm.capacity_bytes = 1 << 50
+    assert shm.write(free - (1 << 20), lambda out: None) is None  # not even allocated
+    assert shm.held_bytes() == 0
+
+
+def test_a_fifo_in_its_place_is_refused_without_blocking():
+    ref = kvshm.ShmRef(os.path.join(kvshm.SHM_DIR, "disagg-kv-" + os.urandom(16).hex()), 10)
+    os.mkfifo(ref.path, 0o600)
+    try:
+        with pytest.raises(KVPayloadError, match="not a file"):
+            kvshm.open_payload(ref)
+    finally:
+        os.unlink(ref.path)

@@ -97,6 +97,7 @@ class TritonPythonModel:
             # frontend elsewhere) the call's cancellation reaches this request
             cancelled = prefill_side.cancel_check(request, self.cancels)
             kv_start = 0  # TensorRT-LLM's payload names the whole prompt's K/V (its skip: 0)
+            drop = None  # frees what the payload references, if it references anything
             if self.trtllm is not None:
                 from disagg.trtllm.payload import to_bytes
 
@@ -117,9 +118,14 @@ class TritonPythonModel:
                 if drop is not None and cancelled.now():
                     drop()
                     raise RequestCancelledError(f"prefill of {rid}: the caller went away")
-            return prefill_side.prefill_response(
-                result, payload, self.pid, compute_us, start_wall_ns, kv_start
-            )
+            try:
+                return prefill_side.prefill_response(
+                    result, payload, self.pid, compute_us, start_wall_ns, kv_start
+                )
+            except Exception:
+                if drop is not None:  # nobody will get the reference
+                    drop()
+                raise
         except RequestCancelledError as e:  # its client left: the worker takes the next one
             self.metrics.prefill_cancelled()
             return pb.error_response(e)

@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from disagg import contracts as C
+from disagg.errors import KVPayloadError
 
 
 def skip_tokens(num_cached_on_decode: int, num_prompt_tokens: int, block_size: int) -> int:
@@ -58,7 +59,10 @@ def release(payload: npt.NDArray[np.uint8]) -> bool:
     from disagg.kvnet import release as drop_lease
     from disagg.kvshm import ShmRef, unlink
 
-    local = ShmRef.parse(np.ascontiguousarray(payload, np.uint8).reshape(-1).data)
+    try:  # (called where another error is on its way: this must not replace it)
+        local = ShmRef.parse(np.ascontiguousarray(payload, np.uint8).reshape(-1).data)
+    except KVPayloadError:
+        return False
     if local is not None:
         return unlink(local)
     return drop_lease(payload, C.internal_token())
