@@ -111,11 +111,13 @@ def test_it_learns_prefill_and_hand_off_speed_from_reports():
     model.observe_prefill(1000, 3.0)  # the pool reports 3 ms per token
     assert model.remote_s_per_token == pytest.approx(2e-3)  # halfway there
     assert model.local_s_per_token == pytest.approx(1e-3)  # decode's own speed: not this
+    # decode's first long prefill beside others: learned from the pool's 2 ms that decisions
+    # assumed until now (not from the 1 ms prior), halfway to the 0.5 ms seen
     model.observe_local_prefill(1000, 0.5)
-    assert model.local_s_per_token == pytest.approx(0.75e-3)
+    assert model.local_s_per_token == pytest.approx(1.25e-3)
     model.observe_local_prefill(10, 5.0)  # a short prompt: mostly waiting for a step
-    assert model.local_s_per_token == pytest.approx(0.75e-3)
-    assert model.local_fixed_s == pytest.approx((5.0 - 10 * 0.75e-3) / 2)  # its fixed cost
+    assert model.local_s_per_token == pytest.approx(1.25e-3)
+    assert model.local_fixed_s == pytest.approx((5.0 - 10 * 1.25e-3) / 2)  # its fixed cost
     model.observe_handoff(1000, 0.005 + 0.05)  # 50 us per token over the fixed 5 ms
     assert model.handoff_s_per_token == pytest.approx((1e-5 + 5e-5) / 2)
     model.observe_prefill(0, 1.0)  # nothing to learn from an empty prompt
@@ -222,3 +224,14 @@ def test_the_tracker_counts_queued_prompts_with_their_tokens():
     assert tracker.snapshot() == Load(764, 0, prefill_queue_requests=2)
     tracker.add_prefill(-700)
     assert tracker.snapshot() == Load(64, 0, prefill_queue_requests=1)
+
+
+def test_decodes_first_long_prefill_moves_the_estimate_from_the_pools_speed_not_the_prior():
+    # the default learn rate: a pool at 5 ms a token and decode seen at 5 ms too must not
+    # make decode look 2.3x cheaper (0.8 x the 1.5 ms prior + 0.2 x 5 ms = 2.2 ms)
+    model = CostModel(CostParams(prefill_s_per_token=1.5e-3))
+    for _ in range(30):
+        model.observe_prefill(1600, 8.0)
+    model.observe_local_prefill(1600, 8.0, beside=4)
+    d = model.decide(1600, Load(0, 4))
+    assert d.local_prefill_s == pytest.approx(d.remote_prefill_s, rel=0.01)

@@ -193,6 +193,8 @@ class CostModel:
         sent -> first token (which includes waiting for decode's current step)."""
         if num_tokens > 0 and seconds > 0 and beside > 0:
             with self._lock:
+                if not self.local_learned:  # from what decisions assumed, not the prior
+                    self.local_s_per_token = self.remote_s_per_token
                 self.local_fixed_s, self.local_s_per_token = self._learn(
                     self.local_fixed_s, self.local_s_per_token, num_tokens, seconds
                 )

@@ -360,7 +360,8 @@ class Orchestrator:
             handoff, call_time_s=time.perf_counter() - start, queue_s=queue_s
         )
         self.events.prefill(queue_s, handoff.prefill_time_s)
-        self.cost_model.observe_prefill(n, handoff.prefill_time_s)
+        # (what it computed: its prefix cache gave the rest)
+        self.cost_model.observe_prefill(n - handoff.num_cached_tokens, handoff.prefill_time_s)
         run.served_by = DISAGGREGATED
         run.prefill_pid = handoff.worker_pid
         run.num_cached_tokens = handoff.num_cached_tokens
