@@ -58,16 +58,16 @@ def test_a_prefaulted_store_has_its_pages_before_the_first_save(monkeypatch):
     # a decode engine's store (prefault_kv): a step that keeps a sequence must not fault.
     # (Whether a store made without it is resident depends on the allocator's history in
     # this process, so that side is checked by what the store asks for, not by mincore.)
-    import disagg.engine.kv_reuse as kv_reuse
+    import disagg.engine.prefault as prefault
 
     asked: list[int] = []
-    real = kv_reuse.prefault_pages
+    real = prefault.prefault
 
     def spy(arrays):
         asked.extend(a.ctypes.data for a in arrays)
         return real(arrays)
 
-    monkeypatch.setattr(kv_reuse, "prefault_pages", spy)
+    monkeypatch.setattr(prefault, "prefault", spy)
     args = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=4, hidden_dim=128, vocab_size=9)
     lazy = KVBlockStore(args, num_blocks=256, block_size=16)
     assert asked == [] and lazy.prefaulted.is_set()

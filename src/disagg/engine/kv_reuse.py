@@ -17,8 +17,7 @@ from disagg.engine.config import EngineConfig, ModelArgs
 from disagg.engine.kernels import CPU
 from disagg.engine.kv_payload import KVPayload, check_start
 from disagg.engine.model import KVCacheSlots
-from disagg.engine.prefault import prefault as prefault_pages
-from disagg.engine.prefault import zeros_kv
+from disagg.engine.prefault import prefault_kv, zeros_kv
 from disagg.engine.prefix_cache import (
     BlockHash,
     CacheEvent,
@@ -47,11 +46,7 @@ class KVBlockStore:
         shape = (num_blocks, args.n_layers, args.n_kv_heads, block_size, args.head_dim)
         self.k, self.v = zeros_kv(shape, device)
         self.block_size = block_size
-        self.prefaulted = threading.Event()
-        if prefault and device.type == "cpu":
-            self.prefaulted = prefault_pages([self.k.numpy(), self.v.numpy()])
-        else:
-            self.prefaulted.set()
+        self.prefaulted = prefault_kv(self.k, self.v, prefault)
 
     def load(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks one after another: k, v [L, H_kv, n * block_size, D]."""

@@ -20,7 +20,6 @@ from logits copied back, so a seed draws the same tokens on every device.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +44,7 @@ from disagg.engine.kernels import (
 )
 from disagg.engine.layers import rms_norm, rope_tables, silu_mul, split_qkv
 from disagg.engine.packed_prefill import Chunk
-from disagg.engine.prefault import prefault as prefault_pages
-from disagg.engine.prefault import zeros_kv
+from disagg.engine.prefault import prefault_kv, zeros_kv
 from disagg.engine.quant import QuantLinear
 from disagg.errors import ConfigError
 
@@ -86,11 +84,7 @@ class KVCacheSlots:
         self.k, self.v = zeros_kv(shape, device)
         # every page before the first step using it: on a thread of its own where the kernel
         # can (engine/prefault.py), so a restarted decode is READY a second sooner
-        self.prefaulted = threading.Event()
-        if prefault and device.type == "cpu":
-            self.prefaulted = prefault_pages([self.k.numpy(), self.v.numpy()])
-        else:
-            self.prefaulted.set()
+        self.prefaulted = prefault_kv(self.k, self.v, prefault)
         self.device = device
         self.max_slots = max_slots
         self.max_len = max_len

@@ -79,6 +79,16 @@ def prefault(arrays: list[np.ndarray[Any, Any]], background: bool = True) -> thr
     return done
 
 
+def prefault_kv(k: torch.Tensor, v: torch.Tensor, enabled: bool) -> threading.Event:
+    """`prefault` for a K/V buffer pair where it applies (enabled, in host memory); the
+    event is set at once elsewhere (device memory is committed at allocation)."""
+    if enabled and k.device.type == "cpu":
+        return prefault([k.numpy(), v.numpy()])
+    done = threading.Event()
+    done.set()
+    return done
+
+
 def zeros_kv(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A pair of fp32 K/V buffers of `shape`, zeros. On the CPU through numpy's calloc: pages
     cost memory only once written (device memory is committed at allocation)."""

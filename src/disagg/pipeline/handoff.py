@@ -40,7 +40,7 @@ def kv_path(payload: npt.NDArray[np.uint8]) -> tuple[str, int]:
     from disagg.kvshm import ShmRef
     from disagg.trtllm.payload import is_trtllm_payload
 
-    data = np.ascontiguousarray(payload, np.uint8).reshape(-1).data
+    data = _bytes_of(payload)
     if (local := ShmRef.parse(data)) is not None:
         return "shm", local.nbytes
     ref = KVRef.parse(data)
@@ -60,9 +60,13 @@ def release(payload: npt.NDArray[np.uint8]) -> bool:
     from disagg.kvshm import ShmRef, unlink
 
     try:  # (called where another error is on its way: this must not replace it)
-        local = ShmRef.parse(np.ascontiguousarray(payload, np.uint8).reshape(-1).data)
+        local = ShmRef.parse(_bytes_of(payload))
     except KVPayloadError:
         return False
     if local is not None:
         return unlink(local)
     return drop_lease(payload, C.internal_token())
+
+
+def _bytes_of(payload: npt.NDArray[np.uint8]) -> memoryview:
+    return np.ascontiguousarray(payload, np.uint8).reshape(-1).data
