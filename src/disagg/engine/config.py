@@ -12,6 +12,20 @@ from disagg.errors import ConfigError
 # what the decode pool's block products multiply (model.Llama.activations; qdot.c for int8,
 # qbf16.c for bfloat16)
 ACTIVATIONS = ("float32", "int8", "bfloat16")
+# as set (the decode_activations setting, LLM's `activations`): "auto" is bfloat16 where the
+# blocks are served and the CPU multiplies bf16 natively (AVX512-BF16), else float32
+ACTIVATION_SETTINGS = ("auto", *ACTIVATIONS)
+
+# Prompt queries attend in blocks of this many rows, aligned to absolute positions. torch's
+# attention rounds a row differently with the rows it is given beside it (its GEMMs pick
+# kernels by row count): over 37 cases here, 2 rows of a prompt's tail moved by ~3e-7 when
+# computed after a cached prefix instead of with the whole prompt. bf16 activations turn such
+# a difference into a whole bf16 step at times (K/V up to 0.06 apart, greedy replies parted).
+# Blocks whose rows and keys are fixed by their position make a row's bits the same whole, in
+# chunks or after a cached prefix, wherever chunks start and end at multiples of this
+# (prefix-cache blocks are 16 tokens; decode's chunks are cut so: aligned_chunk). Computed
+# in layers.prompt_attention.
+PROMPT_ATTN_ROWS = 16
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -133,3 +147,12 @@ class EngineConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def aligned_chunk(start: int, n: int, prompt_len: int) -> int:
+    """A chunk of n tokens from `start` cut back to end where prompt attention's row blocks
+    do (PROMPT_ATTN_ROWS), unless it ends the prompt or that would leave it empty:
+    its rows then get the bits the whole prompt's would."""
+    end = start + n
+    cut = end - end % PROMPT_ATTN_ROWS
+    return cut - start if end < prompt_len and cut > start else n

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from disagg.engine import quant
-from disagg.engine.config import ModelArgs
+from disagg.engine.config import PROMPT_ATTN_ROWS, ModelArgs
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, in_c: bool = False) -> torch.Tensor:
@@ -87,3 +87,33 @@ def split_qkv(
     qk = apply_rope(qk.view(-1, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin)
     q, k = qk.split([a.n_heads, a.n_kv_heads], dim=1)  # type: ignore[no-untyped-call]
     return q, k, v.view(-1, a.n_kv_heads, a.head_dim)
+
+
+def prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, aligned: bool
+) -> torch.Tensor:
+    """Causal attention of prompt queries q [n, H, D] (positions start..start+n-1) over the
+    sequence's keys and values k, v [H_kv, >= start + n, D] (from position 0) -> [n, H * D].
+    `aligned` (a CPU): one call per block of PROMPT_ATTN_ROWS positions, which sees keys up to
+    its own last row; else one call for all n rows (a GPU: one kernel launch)."""
+    end = start + q.shape[0]
+    qh = q.transpose(0, 1)[None]  # [1, H, n, D]
+    cuts = [start, end]
+    if aligned:
+        first = start - start % PROMPT_ATTN_ROWS + PROMPT_ATTN_ROWS
+        cuts = [start, *range(first, end, PROMPT_ATTN_ROWS), end]
+    out = []
+    for s, e in zip(cuts[:-1], cuts[1:], strict=True):
+        causal = s == 0 and not aligned  # the same mask, for a GPU's fused causal kernel
+        visible = None if causal else torch.ones(e - s, e, dtype=torch.bool, device=q.device)
+        o = F.scaled_dot_product_attention(
+            qh[:, :, s - start : e - start],
+            k[None, :, :e],
+            v[None, :, :e],
+            attn_mask=None if visible is None else visible.tril(diagonal=s),
+            is_causal=causal,
+            enable_gqa=True,
+            scale=scale,
+        )  # [1, H, e - s, D]
+        out.append(o[0].transpose(0, 1).reshape(e - s, -1))
+    return out[0] if len(out) == 1 else torch.cat(out)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.contracts import DecodeStats
-from disagg.engine.config import EngineConfig
+from disagg.engine.config import EngineConfig, aligned_chunk
 from disagg.engine.grammar import guide_for
 from disagg.engine.kv_payload import KVPayload
 from disagg.engine.kv_reuse import complete_handoff, kv_reuse_for
@@ -74,8 +74,7 @@ class DecodeEngine:
                 f"max_model_len {config.max_model_len} exceeds the engine's max_context "
                 f"{model.args.max_context}; rebuild the engine with a larger --max-context"
             )
-        # the torch decode path would take the dense kernel past DIRECT_ROWS rows (the fused
-        # one multiplies blocks at any batch size)
+        # torch's decode path takes the dense kernel past DIRECT_ROWS rows (fused: the blocks)
         if model.blocks and not model.fused and config.max_num_seqs > DIRECT_ROWS:
             raise ConfigError(
                 f"max_num_seqs {config.max_num_seqs}: at most {DIRECT_ROWS} with quantized "
@@ -261,7 +260,7 @@ class DecodeEngine:
                 seq.prefill_pos = self._reuse(seq)
             n = len(prompt) - seq.prefill_pos
             if finishing or self._others_decoding(seq):  # else nobody waits: the rest at once
-                n = min(budget, n)
+                n = aligned_chunk(seq.prefill_pos, min(budget, n), len(prompt))
             chunk = Chunk(prompt[seq.prefill_pos : seq.prefill_pos + n], seq.prefill_pos, seq.slot)
             planned.append((seq, chunk))
             finishing = finishing or seq.prefill_pos + n == len(prompt)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from disagg.engine import fused_decode, packed_prefill, quant
-from disagg.engine.config import ACTIVATIONS, WEIGHTS_FILE, ModelArgs, load_model_args
+from disagg.engine.config import ACTIVATION_SETTINGS, WEIGHTS_FILE, ModelArgs, load_model_args
 from disagg.engine.interrupt import Stop, until_stopped
 from disagg.engine.kernels import (
     CPU,
@@ -42,7 +42,7 @@ from disagg.engine.kernels import (
     resolve_compute_dtype,
     resolve_device,
 )
-from disagg.engine.layers import rms_norm, rope_tables, silu_mul, split_qkv
+from disagg.engine.layers import prompt_attention, rms_norm, rope_tables, silu_mul, split_qkv
 from disagg.engine.packed_prefill import Chunk
 from disagg.engine.prefault import prefault_kv, zeros_kv
 from disagg.engine.quant import QuantLinear
@@ -138,9 +138,15 @@ class Llama:
         32 values and multiply in integers (engine/qdot.c); the LM head keeps fp32 ones
         (the argmax is where rounding shows: 10 of 16 greedy replies equal fp32's with it
         fp32, 7 with it int8, for ~1 ms a step). Prefill is unchanged (dense fp32). "bfloat16":
-        the layers' block products, prefill's too, in bf16 arithmetic (qbf16.c; AVX512-BF16)."""
-        if activations not in ACTIVATIONS:
-            raise ConfigError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        the layers' block products, prefill's too, in bf16 arithmetic (qbf16.c; AVX512-BF16).
+        "auto": bfloat16 where blocks are served and qbf16.c runs on the CPU's own bf16
+        instructions, else float32 (self.activations: what was chosen)."""
+        if activations not in ACTIVATION_SETTINGS:
+            raise ConfigError(
+                f"activations must be one of {ACTIVATION_SETTINGS}, got {activations!r}"
+            )
+        if activations == "auto":  # the CPU's own bf16 products where the blocks are served
+            activations = "bfloat16" if blocks and quant.bf16_simd() else "float32"
         self.bf16_blocks = activations == "bfloat16" and bool(blocks) and quant.require_bf16()
         self.args = args
         self.device = resolve_device(device)
@@ -151,6 +157,7 @@ class Llama:
         # (an H200: a row's logits alone and in a batch of 2-64 differed in every case):
         # decode on a GPU runs one shape every step, so a row's bits are its own
         self.fixed_shapes = self.device.type == "cuda"
+        self.aligned = self.device.type == "cpu"  # prompt attention by blocks: layers.py
         self.blocks = blocks or {}
         if self.blocks and self.device.type != "cpu":
             raise ConfigError("quantized blocks run on the CPU only: load them with device cpu")
@@ -274,15 +281,8 @@ class Llama:
         for i, layer in until_stopped(self.layers, stop):
             q, k, v = self._qkv(layer, x, cos, sin)
             k_out[i], v_out[i] = k.transpose(0, 1), v.transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                k_out[i][None],
-                v_out[i][None],
-                is_causal=True,
-                enable_gqa=True,
-                scale=self.scale,
-            )  # [1, H, S, D]
-            x = x + linear(o[0].transpose(0, 1).reshape(s, -1), layer.wo, self.prompt_rows)
+            o = prompt_attention(q, k_out[i], v_out[i], 0, self.scale, self.aligned)
+            x = x + linear(o, layer.wo, self.prompt_rows)
             x = x + self._mlp(layer, x)
         last = x if all_logits else x[-1:]
         h = rms_norm(last, self.norm, a.norm_eps, self.fused)
@@ -297,27 +297,21 @@ class Llama:
         positions 0..start-1 are already in the cache: the chunk's K/V go into the cache and
         its queries attend over the prefix and causally within the chunk. Returns the logits
         of the chunk's last position ([V]). Chunk after chunk, this is the whole prefill, in
-        a different summation order (fp32 logits within ~1e-4 of `prefill`; bf16 also rounds
-        by a kernel that depends on the row count: within ~0.2)."""
+        a different summation order where products round by their row count (fp32's dense
+        copy: logits within ~1e-4 of `prefill`; bf16 dense weights: within ~0.2); the same
+        bits with the blocks wherever chunks start at multiples of layers.PROMPT_ATTN_ROWS."""
         a = self.args
-        n, end = len(token_ids), start + len(token_ids)
+        end = start + len(token_ids)
         cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]
-        # query j (position start + j) sees positions 0 .. start + j
-        visible = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
         x = self.embed[torch.tensor(token_ids, device=self.device)]  # [n, dim]
         for i, layer in until_stopped(self.layers, stop):
             q, k, v = self._qkv(layer, x, cos, sin)
             cache.k[i][slot, :, start:end] = k.transpose(0, 1)
             cache.v[i][slot, :, start:end] = v.transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                cache.k[i][slot : slot + 1, :, :end],
-                cache.v[i][slot : slot + 1, :, :end],
-                attn_mask=visible,
-                enable_gqa=True,
-                scale=self.scale,
-            )  # [1, H, n, D]
-            x = x + linear(o[0].transpose(0, 1).reshape(n, -1), layer.wo, self.prompt_rows)
+            o = prompt_attention(
+                q, cache.k[i][slot], cache.v[i][slot], start, self.scale, self.aligned
+            )
+            x = x + linear(o, layer.wo, self.prompt_rows)
             x = x + self._mlp(layer, x)
         return linear(rms_norm(x[-1:], self.norm, a.norm_eps, self.fused), self.lm_head)[0]
 

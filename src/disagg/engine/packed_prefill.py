@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from disagg.engine.fused_decode import KVCacheSlots, Llama  # what both read of model.py
 from disagg.engine.kernels import BlockLinear, Linear, linear
-from disagg.engine.layers import rms_norm, silu_mul, split_qkv
+from disagg.engine.layers import prompt_attention, rms_norm, silu_mul, split_qkv
 from disagg.engine.quant import qlinear
 
 
@@ -75,27 +74,15 @@ def prefill_chunks(model: Llama, chunks: list[Chunk], cache: KVCacheSlots) -> li
     ids = [t for c in todo for t in c.token_ids]
     pos = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in todo]).to(dev)
     cos, sin = model.cos[pos][:, None, :], model.sin[pos][:, None, :]  # [M, 1, D]
-    visible = [
-        torch.ones(n, c.start + n, dtype=torch.bool, device=dev).tril(diagonal=c.start)
-        for c, n in zip(todo, sizes, strict=True)
-    ]
     x = model.embed[torch.tensor(ids, device=dev)]  # [M, dim]
     for i, layer in enumerate(model.layers):
         q, k, v = _qkv(model, layer, x, cos, sin, small)
         outs = []
-        for c, n, lo, mask in zip(todo, sizes, bounds[:-1], visible, strict=True):
-            end = c.start + n
-            cache.k[i][c.slot, :, c.start : end] = k[lo : lo + n].transpose(0, 1)
-            cache.v[i][c.slot, :, c.start : end] = v[lo : lo + n].transpose(0, 1)
-            o = F.scaled_dot_product_attention(
-                q[lo : lo + n].transpose(0, 1)[None],
-                cache.k[i][c.slot : c.slot + 1, :, :end],
-                cache.v[i][c.slot : c.slot + 1, :, :end],
-                attn_mask=mask,
-                enable_gqa=True,
-                scale=model.scale,
-            )  # [1, H, n, D]
-            outs.append(o[0].transpose(0, 1).reshape(n, -1))
+        for c, n, lo in zip(todo, sizes, bounds[:-1], strict=True):
+            kc, vc = cache.k[i][c.slot], cache.v[i][c.slot]
+            kc[:, c.start : c.start + n] = k[lo : lo + n].transpose(0, 1)
+            vc[:, c.start : c.start + n] = v[lo : lo + n].transpose(0, 1)
+            outs.append(prompt_attention(q[lo : lo + n], kc, vc, c.start, model.scale, True))
         x = x + _grouped(torch.cat(outs), layer.wo, small)
         x = x + _mlp(model, layer, x, small, bounds)
     last = torch.stack([x[b - 1] for b in bounds[1:]])  # [chunks, dim]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from disagg.engine.config import EngineConfig
+from disagg.engine.config import EngineConfig, aligned_chunk
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.sequence import FinishReason, SamplingParams, Sequence
 from disagg.errors import RequestError
@@ -157,7 +157,7 @@ class SimDecodeEngine:
                 break
             n = seq.prompt_len - seq.prefill_pos
             if self._others_decoding(seq):
-                n = min(budget, n)
+                n = aligned_chunk(seq.prefill_pos, min(budget, n), seq.prompt_len)
             work.add(CHUNK, n, seq.prefill_pos)
             seq.prefill_pos += n
             budget -= n

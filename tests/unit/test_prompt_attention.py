@@ -1,0 +1,67 @@
+"""Prompt attention by aligned row blocks (engine/layers.py): a prompt's rows get the same
+bits computed whole, in chunks, or after a cached prefix, wherever those start at multiples
+of PROMPT_ATTN_ROWS; and decode's chunk sizes are cut to end there."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+import torch
+
+from disagg.engine.config import PROMPT_ATTN_ROWS, aligned_chunk
+from disagg.engine.layers import prompt_attention
+
+pytestmark = pytest.mark.unit
+
+H, H_KV, D = 9, 3, 64  # SmolLM2's heads
+R = PROMPT_ATTN_ROWS
+
+
+def _qkv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(n, H, D, generator=g),
+        torch.randn(H_KV, n, D, generator=g),
+        torch.randn(H_KV, n, D, generator=g),
+    )
+
+
+@pytest.mark.parametrize("n", [35, 150, 600])
+def test_rows_after_a_cached_prefix_or_in_chunks_equal_the_whole_prompts_bit_for_bit(n):
+    q, k, v = _qkv(n, n)
+    whole = prompt_attention(q, k, v, 0, 0.125, aligned=True)
+    for start in (s for s in (R, 2 * R, 6 * R) if s < n):  # a cached prefix, then the rest
+        rest = prompt_attention(q[start:], k, v, start, 0.125, aligned=True)
+        assert torch.equal(rest, whole[start:]), start
+    cuts = [c for c in (0, 2 * R, 3 * R, 7 * R) if c < n] + [n]  # as decode cuts them
+    parts = [prompt_attention(q[a:b], k, v, a, 0.125, True) for a, b in pairwise(cuts)]
+    assert torch.equal(torch.cat(parts), whole)
+
+
+def test_it_is_causal_attention():
+    """Against softmax(q k^T) v written out, and against one call for all rows."""
+    q, k, v = _qkv(40, 7)
+    got = prompt_attention(q, k, v, 0, 0.125, aligned=True).view(40, H, D)
+    kk, vv = k.repeat_interleave(H // H_KV, 0), v.repeat_interleave(H // H_KV, 0)
+    s = torch.einsum("qhd,hkd->hqk", q, kk) * 0.125
+    s = s.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf"))
+    want = torch.einsum("hqk,hkd->qhd", s.softmax(-1), vv)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    one_call = prompt_attention(q, k, v, 0, 0.125, aligned=False).view(40, H, D)
+    torch.testing.assert_close(one_call, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("start", "n", "prompt_len", "want"),
+    [
+        (0, 64, 1000, 64),  # already ends on a block
+        (0, 70, 1000, 64),  # cut back to the block's end
+        (32, 40, 1000, 32),  # from a cached prefix: ends at 64
+        (64, 10, 1000, 10),  # cutting would leave nothing: as asked
+        (64, 40, 104, 40),  # ends the prompt: as asked
+        (5, 20, 1000, 11),  # an unaligned start still ends on a block
+    ],
+)
+def test_decode_chunks_end_where_the_row_blocks_do(start, n, prompt_len, want):
+    assert aligned_chunk(start, n, prompt_len) == want
