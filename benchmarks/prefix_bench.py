@@ -29,7 +29,7 @@ own process, KV events on), its replicas chosen by the blocks they hold and thei
 against one server's (disagg-on, --mode disaggregated: its one prefill pool sees every turn).
 
     python benchmarks/prefix_bench.py
-        [--servers disagg-off disagg-on disagg-int8 disagg-bf16 vllm-on]
+        [--servers disagg-off disagg-on disagg-fp32 disagg-int8 disagg-bf16 vllm-on]
         [--workloads shared multiturn chat]
     python benchmarks/prefix_bench.py --mode disaggregated --workloads multiturn \
         --servers disagg-on cluster-cache cluster-load
@@ -429,6 +429,7 @@ def vllm_server(a, cache: bool) -> Iterator[Endpoint]:
 SERVERS = {
     "disagg-off": lambda a: disagg_server(a, cache=False),
     "disagg-on": lambda a: disagg_server(a, cache=True),
+    "disagg-fp32": lambda a: disagg_server(a, cache=True, decode_activations="float32"),
     "disagg-int8": lambda a: disagg_server(a, cache=True, decode_activations="int8"),
     "disagg-bf16": lambda a: disagg_server(a, cache=True, decode_activations="bfloat16"),
     "vllm-off": lambda a: vllm_server(a, cache=False),

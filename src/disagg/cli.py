@@ -21,7 +21,7 @@ import importlib
 import sys
 import time
 
-from disagg.engine.config import ACTIVATIONS
+from disagg.engine.config import ACTIVATION_SETTINGS
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import DisaggError
 
@@ -77,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     g.add_argument(
         "--activations",
-        choices=ACTIVATIONS,
-        default="float32",
-        help="what decode's quantized-block products multiply: float32, int8 (faster, "
-        "llama.cpp's scheme; perplexity +0.4%%) or bfloat16 (fastest, AVX512-BF16 CPUs; "
-        "prefill's products too; perplexity +0.1%%)",
+        choices=ACTIVATION_SETTINGS,
+        default="auto",
+        help="what the quantized-block products multiply: auto (bfloat16 where the CPU has "
+        "AVX512-BF16, else float32), float32, int8 (llama.cpp's scheme; perplexity +0.4%%) "
+        "or bfloat16 (fastest, AVX512-BF16 CPUs; prefill's products too; perplexity +0.1%%)",
     )
     g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
     g.add_argument(
