@@ -197,12 +197,14 @@ def run_profile(
     threads: int = 0,
     quick: bool = False,
     log: Log = print,
+    activations: str = "auto",
 ) -> Profile:
-    """Measure everything in the plan, fit, and return the profile (not yet saved)."""
+    """Measure everything in the plan, fit, and return the profile (not yet saved).
+    `activations` as the pools' decode_activations setting (its default: what is served)."""
     if threads:
         torch.set_num_threads(threads)
     plan = QUICK if quick else FULL
-    model = Llama.load(engine_dir, compute_dtype, device, weights=weights)
+    model = Llama.load(engine_dir, compute_dtype, device, weights, activations)
     args = load_model_args(engine_dir)
     samples: dict[str, Samples] = {}
     steps: list[tuple[str, Callable[[], Samples]]] = [
@@ -233,7 +235,8 @@ def run_profile(
         machine=machine.describe(str(model.device)),
         model={"name": Path(engine_dir).name, "fingerprint": args.fingerprint,
                "n_layers": args.n_layers, "dim": args.dim, "max_context": args.max_context,
-               "weights": str(getattr(model, "weights", model.compute_dtype))},
+               "weights": str(getattr(model, "weights", model.compute_dtype)),
+               "activations": str(getattr(model, "activations", "float32"))},
         device=str(model.device), dtype=model.compute_dtype, threads=torch.get_num_threads(),
         quick=quick, created=datetime.now(UTC).isoformat(timespec="seconds"), samples=samples,
     )  # fmt: skip

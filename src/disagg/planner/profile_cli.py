@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 
+from disagg.engine.config import ACTIVATION_SETTINGS
 from disagg.errors import ConfigError
 
 
@@ -32,6 +33,10 @@ def parser() -> argparse.ArgumentParser:
         "--weights", choices=("auto", "float32", "bfloat16"), default="auto",
         help="as the weights setting: the checkpoint's quantized blocks where they run, or dense",
     )  # fmt: skip
+    p.add_argument(
+        "--activations", choices=ACTIVATION_SETTINGS, default="auto",
+        help="what the block products multiply, as the decode_activations setting",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--quick", action="store_true", help="fewer points, once each (~1 minute)")
     p.add_argument("--out", default="results/profile.json", help="the profile file to write")
@@ -48,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         profile = run_profile(
-            args.engine_dir, args.device, args.dtype, args.weights, args.threads, args.quick, log
-        )
+            args.engine_dir, args.device, args.dtype, args.weights, args.threads, args.quick, log,
+            args.activations,
+        )  # fmt: skip
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
