@@ -58,17 +58,10 @@ def test_it_is_causal_attention():
         (0, 64, 1000, 64),  # already ends on a block
         (0, 70, 1000, 64),  # cut back to the block's end
         (32, 40, 1000, 32),  # from a cached prefix: ends at 64
-        (64, 10, 1000, 0),  # under a block left: the prompt waits a step
-        (64, 10, 74, 10),  # ... unless it ends the prompt
+        (64, 10, 1000, 10),  # cutting would leave nothing: as asked
         (64, 40, 104, 40),  # ends the prompt: as asked
-        (5, 20, 1000, 11),  # a start off the blocks (other-sized cache blocks) gets back on
-        (5, 8, 1000, 8),  # ... or, with no block end within reach, takes what it was given
+        (5, 20, 1000, 11),  # an unaligned start still ends on a block
     ],
 )
 def test_decode_chunks_end_where_the_row_blocks_do(start, n, prompt_len, want):
     assert aligned_chunk(start, n, prompt_len) == want
-
-
-def test_a_step_with_no_other_chunk_never_waits():
-    """A budget under a block (prefill_chunk_tokens 8) still advances the first prompt."""
-    assert aligned_chunk(64, 8, 1000, may_wait=False) == 8

@@ -149,16 +149,10 @@ class EngineConfig:
         return asdict(self)
 
 
-def aligned_chunk(start: int, n: int, prompt_len: int, may_wait: bool = True) -> int:
+def aligned_chunk(start: int, n: int, prompt_len: int) -> int:
     """A chunk of n tokens from `start` cut back to end where prompt attention's row blocks
-    do (PROMPT_ATTN_ROWS) unless it ends the prompt: its rows then get the bits the whole
-    prompt's would. 0 where that leaves nothing and the prompt `may_wait` a step (another
-    chunk of the step made progress), else n as asked. A start off the blocks (a cache of
-    other-sized blocks) takes n as asked too, and a later chunk starts on a block again."""
+    do (PROMPT_ATTN_ROWS), unless it ends the prompt or that would leave it empty:
+    its rows then get the bits the whole prompt's would."""
     end = start + n
-    if end >= prompt_len:
-        return n
     cut = end - end % PROMPT_ATTN_ROWS
-    if cut > start:
-        return cut - start
-    return 0 if may_wait and start % PROMPT_ATTN_ROWS == 0 else n
+    return cut - start if end < prompt_len and cut > start else n

@@ -229,7 +229,8 @@ class DecodeEngine:
 
     def _prefill_chunks(self, outputs: list[TokenOutput]) -> list[Sequence]:
         """Advance the prompts decode prefills in chunks, oldest first, within this step's
-        token budget, all in one forward (packed_prefill.py); those whose first token ends them.
+        token budget, all of this step's chunks in one forward (engine/packed_prefill.py).
+        Returns the ones whose first token already ends them.
 
         Chunks protect a running batch from prompts: a step's chunk delays every decoding
         sequence once, each waiting prompt waits for every step its prefill takes. While
@@ -259,9 +260,7 @@ class DecodeEngine:
                 seq.prefill_pos = self._reuse(seq)
             n = len(prompt) - seq.prefill_pos
             if finishing or self._others_decoding(seq):  # else nobody waits: the rest at once
-                n = aligned_chunk(seq.prefill_pos, min(budget, n), len(prompt), bool(planned))
-                if n == 0:  # the budget left is under a block: a later prompt may end
-                    continue
+                n = aligned_chunk(seq.prefill_pos, min(budget, n), len(prompt))
             chunk = Chunk(prompt[seq.prefill_pos : seq.prefill_pos + n], seq.prefill_pos, seq.slot)
             planned.append((seq, chunk))
             finishing = finishing or seq.prefill_pos + n == len(prompt)

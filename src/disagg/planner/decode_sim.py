@@ -151,18 +151,14 @@ class SimDecodeEngine:
             left = sum(s.prompt_len - s.num_cached_tokens for s in prefilling)
             budget = min(left, max(self.config.burst_prefill_tokens - self._prefilled, 0))
         done: list[Sequence] = []
-        chunks = 0  # planned this step (as llm_engine's `planned`)
         for seq in prefilling:
             assert seq.prefill_pos is not None
             if budget <= 0:
                 break
             n = seq.prompt_len - seq.prefill_pos
             if self._others_decoding(seq):
-                n = aligned_chunk(seq.prefill_pos, min(budget, n), seq.prompt_len, bool(chunks))
-                if n == 0:
-                    continue
+                n = aligned_chunk(seq.prefill_pos, min(budget, n), seq.prompt_len)
             work.add(CHUNK, n, seq.prefill_pos)
-            chunks += 1
             seq.prefill_pos += n
             budget -= n
             if seq.prefill_pos < seq.prompt_len:
