@@ -37,7 +37,11 @@ def test_environment_overrides_file_and_defaults(tmp_path):
         ("", {"DISAGG_MODE": "hybrid"}, "mode"),
         ("", {"DISAGG_HOST": "localhost"}, "IP address"),
         ("", {"DISAGG_MAX_TOKENS_LIMIT": "4096"}, "max_tokens_limit"),
-        ("", {"DISAGG_DECODE_ACTIVATIONS": "int4"}, "decode_activations must be auto, float32"),
+        (
+            "",
+            {"DISAGG_DECODE_ACTIVATIONS": "int4"},
+            "decode_activations must be auto, float32, int8 or",
+        ),
         ("max_model_len = [", {}, "settings file"),
     ],
 )

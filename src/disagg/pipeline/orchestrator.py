@@ -309,10 +309,10 @@ class Orchestrator:
 
     def _handoff_done(self, run: RequestRun, handoff: Handoff, accept_s: float) -> None:
         # prefill side: call time less queue and compute; decode side: send -> payload accepted
-        run.kv_bytes = int(handoff.kv_payload.nbytes)  # what passed through here
         run.kv_handoff_s = max(
             handoff.call_time_s - handoff.queue_s - handoff.prefill_time_s + accept_s, 0.0
         )
+        run.kv_bytes = int(handoff.kv_payload.nbytes)  # what passed through here
         path, moved = kv_path(handoff.kv_payload)
         self.events.kv_handoff(moved, run.kv_handoff_s, path)
         moved = run.num_input_tokens - handoff.kv_start  # decode took the rest from its cache

@@ -210,9 +210,8 @@ def _weights(settings: ServeSettings) -> str:
     if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
         return f"auto: {dense} (no C compiler for the block kernels)"
     acts = settings.decode_activations
-    if acts == "auto":  # as engine/model.py chooses (qbf16.c's vector path needs AVX512-BF16)
-        flags = _cpu_flags() or []
-        acts = "auto: " + ("bfloat16" if "avx512_bf16" in flags else "float32")
+    if acts == "auto" and (flags := _cpu_flags()) is not None:  # as engine/model.py chooses
+        acts = "auto: " + ("bfloat16" if "avx512_bf16" in flags else "float32")  # (qbf16.c)
     return (
         f"auto: the checkpoint's own {'+'.join(formats)} blocks, {acts} activations "
         "(DISAGG_WEIGHTS=float32: dense; DISAGG_DECODE_ACTIVATIONS=int8 or, on AVX512-BF16 "
