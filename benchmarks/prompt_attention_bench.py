@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """What prompt attention in position-fixed row blocks costs prefill (engine/layers.py).
 
-A prompt's queries attend in blocks of PROMPT_ATTN_ROWS positions, one torch call each, so
-that a row's bits do not depend on how the prompt was split (whole, in chunks, after a
-cached prefix). One call for all rows is what a GPU does and what the CPU did before. Per
-prompt length and activations, one process, rounds alternating the two, best of each:
-  one call   Llama.prefill with one attention call per layer (Llama.aligned False)
-  blocks     Llama.prefill as served on a CPU (Llama.aligned True)
-and, as the reason for paying it, the largest K/V difference between the prompt prefilled
-cold and after its first blocks came from a cache, each way (random prompts of each length,
-and a real chat prompt first: the one whose greedy reply parted in bf16).
+Three ways a prompt's queries attend, per prompt length and activations, in one process,
+rounds alternating them, best of each:
+  one call   one torch call per layer (what a GPU does, and the CPU did before 2026-12-06)
+  blocks     one torch call per block of PROMPT_ATTN_ROWS positions, so that a row's bits
+             do not depend on how the prompt was split (whole, in chunks, after a cached
+             prefix), as long as the splits fall on those blocks
+  in C       engine/qmatmul.c, each row with a decode step's operations for its position:
+             a row's bits depend on nothing else (Llama.attn_in_c, where Llama.fused)
+and, as the reason for paying for either, the largest K/V difference between the prompt
+prefilled cold and after its first blocks came from a cache, each way (random prompts of
+each length, and a real chat prompt first: the one whose greedy reply parted in bf16).
 
     python benchmarks/prompt_attention_bench.py [--lengths 150 600 2000] [--rounds 4]
         [--activations bfloat16 float32]
@@ -32,6 +34,7 @@ from disagg.engine.model import KVCacheSlots, Llama
 from disagg.engine.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+WAYS = {"one_call": (False, False), "blocks": (True, False), "c": (True, True)}  # aligned, C
 QUESTION = "List three prime numbers."  # the chat template's blocks, then 3 tokens: parted
 
 
@@ -72,29 +75,25 @@ def main() -> int:
         for n in [len(chat), *a.lengths]:
             ids = chat if n == len(chat) else tokens(n, n)
             model.prefill(ids)  # warm
-            best = {False: float("inf"), True: float("inf")}
-            gap = {}
+            ways = {k: w for k, w in WAYS.items() if model.fused or not w[1]}
+            best = dict.fromkeys(ways, float("inf"))
             for r in range(a.rounds):
-                for aligned in (False, True):
-                    model.aligned = aligned
+                for way, (model.aligned, model.attn_in_c) in ways.items():
                     t = time.perf_counter()
                     model.prefill(ids)
-                    best[aligned] = min(best[aligned], time.perf_counter() - t)
+                    best[way] = min(best[way], time.perf_counter() - t)
                 print(f"  {acts} {n} tokens: round {r + 1}/{a.rounds}", flush=True)
-            for aligned in (False, True):
-                model.aligned = aligned
-                gap[aligned] = cached_gap(model, ids)
-            rows.append({
-                "activations": acts, "tokens": n, "one_call_s": best[False],
-                "blocks_s": best[True], "ratio": best[True] / best[False],
-                "cached_gap_one_call": gap[False], "cached_gap_blocks": gap[True],
-            })  # fmt: skip
-    print(f"\n{'activations':<12}{'tokens':>7}{'one call s':>12}{'blocks s':>10}{'ratio':>7}"
-          f"{'cached vs cold, one call':>26}{'blocks':>9}")  # fmt: skip
+            row = {"activations": acts, "tokens": n}
+            for way, (model.aligned, model.attn_in_c) in ways.items():
+                row[f"{way}_s"], row[f"cached_gap_{way}"] = best[way], cached_gap(model, ids)
+            rows.append(row)
+    print(f"\n{'activations':<12}{'tokens':>7}{'one call s':>12}{'blocks s':>10}{'in C s':>9}"
+          f"{'cached vs cold: one call':>26}{'blocks':>9}{'in C':>9}")  # fmt: skip
     for r in rows:
         print(f"{r['activations']:<12}{r['tokens']:>7}{r['one_call_s']:>12.3f}"
-              f"{r['blocks_s']:>10.3f}{r['ratio']:>7.3f}{r['cached_gap_one_call']:>26.2e}"
-              f"{r['cached_gap_blocks']:>9.2e}")  # fmt: skip
+              f"{r['blocks_s']:>10.3f}{r.get('c_s', float('nan')):>9.3f}"
+              f"{r['cached_gap_one_call']:>26.2e}{r['cached_gap_blocks']:>9.2e}"
+              f"{r.get('cached_gap_c', float('nan')):>9.2e}")  # fmt: skip
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": " ".join(sys.argv), "threads": torch.get_num_threads()}
@@ -116,9 +115,11 @@ def plot(rows: list[dict], path: Path) -> None:
         xs = [r["tokens"] for r in mine]
         ax.plot(xs, [r["one_call_s"] for r in mine], "o--", label=f"{acts}, one call")
         ax.plot(xs, [r["blocks_s"] for r in mine], "s-", label=f"{acts}, row blocks")
+        if all("c_s" in r for r in mine):
+            ax.plot(xs, [r["c_s"] for r in mine], "^-", label=f"{acts}, rows in C")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("prefill (s, best of rounds)")
-    ax.set_title("Prompt attention in position-fixed row blocks")
+    ax.set_title("Prompt attention: one call, row blocks, rows in C")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -17,7 +17,7 @@ from disagg.engine.config import EngineConfig
 from disagg.engine.kernels import BlockLinear
 from disagg.engine.kv_reuse import kv_reuse_for
 from disagg.engine.llm_engine import PrefillEngine
-from disagg.engine.model import Llama
+from disagg.engine.model import KVCacheSlots, Llama
 from disagg.engine.sequence import SamplingParams
 from disagg.errors import ConfigError
 
@@ -109,6 +109,28 @@ def test_short_prompts_after_the_template_s_cached_blocks_equal_cold_ones_bit_fo
         reused += b.num_reused_tokens
         assert np.array_equal(a.kv.k, b.kv.k) and np.array_equal(a.kv.v, b.kv.v), p
     assert reused >= 5 * 16  # the template's blocks came from the cache
+
+
+def test_decoded_tokens_kv_equals_the_same_tokens_prefilled_bit_for_bit(llm, bf16):
+    """A decode step's rows and prompt rows meet one arithmetic (the attention too:
+    layers.prompt_attention in C), so whatever recomputes a conversation as a prompt (a
+    migration's or a restart's recompute, a fallback from damaged K/V, the next turn after
+    a cached answer) gets the K/V its decode steps wrote, and greedy goes on the same."""
+    torch = pytest.importorskip("torch")
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[1]}])
+    n, steps = len(ids), 12
+    cache = KVCacheSlots(bf16.args, max_slots=1, max_len=n + steps + 1)
+    logits, k, v = bf16.prefill(ids)
+    cache.write(0, k, v)
+    out = [int(logits.argmax())]
+    for i in range(steps):
+        pos = torch.tensor([n + i])
+        out.append(int(bf16.decode(torch.tensor([out[-1]]), pos, cache)[0].argmax()))
+    whole = ids + out[:-1]  # every token whose K/V decode wrote
+    logits, k, v = bf16.prefill(whole)
+    m = len(whole)
+    assert torch.equal(cache.k[:, 0, :, :m], k) and torch.equal(cache.v[:, 0, :, :m], v)
+    assert int(logits.argmax()) == out[-1]
 
 
 def test_its_prefix_blocks_are_named_apart_from_fp32_activations_ones(engine_dir, bf16):

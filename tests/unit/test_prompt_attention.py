@@ -9,6 +9,7 @@ from itertools import pairwise
 import pytest
 import torch
 
+from disagg.engine import quant
 from disagg.engine.config import PROMPT_ATTN_ROWS, aligned_chunk
 from disagg.engine.layers import prompt_attention
 
@@ -65,3 +66,46 @@ def test_it_is_causal_attention():
 )
 def test_decode_chunks_end_where_the_row_blocks_do(start, n, prompt_len, want):
     assert aligned_chunk(start, n, prompt_len) == want
+
+
+def _decode_rows(q, k, v, start):
+    """What fused_decode's attention gives row r of q, decoded at position start + r."""
+    lib, n = quant.library(), q.shape[0]
+    width = (H + 2 * H_KV) * D
+    out = torch.empty(n, H * D)
+    for r in range(n):
+        qkv = torch.zeros(1, width)
+        qkv[0, : H * D] = q[r].reshape(-1)
+        scratch = torch.empty(H, k.shape[1])
+        row = torch.empty(1, H * D)
+        pos = torch.tensor([start + r], dtype=torch.int64)
+        lib.disagg_decode_attention(
+            qkv.data_ptr(), 1, H, H_KV, D, pos.data_ptr(), k.data_ptr(), v.data_ptr(),
+            k.shape[1], 0.125, row.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        out[r] = row[0]
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 35, 150])
+def test_rows_in_c_equal_decode_steps_bit_for_bit_however_they_are_cut(n):
+    """The C rows: a prompt's rows whole, in chunks of any size (no block alignment),
+    after any cached prefix, and decoded one by one: one set of bits."""
+    assert quant.available() is None, quant.available()
+    q, k, v = _qkv(n, 100 + n)
+    whole = prompt_attention(q, k, v, 0, 0.125, aligned=False, in_c=True)
+    assert torch.equal(whole, _decode_rows(q, k, v, 0))
+    cuts = sorted({0, *(c for c in (1, 7, 23, 64, 101) if c < n), n})
+    parts = [prompt_attention(q[a:b], k, v, a, 0.125, False, in_c=True) for a, b in pairwise(cuts)]
+    assert torch.equal(torch.cat(parts), whole)
+    # strided views, as the model passes them: q rows of the fused projection, a cache slot
+    qkv = torch.randn(n, (H + 2 * H_KV) * D)
+    qkv[:, : H * D] = q.reshape(n, -1)
+    slot_k = torch.zeros(H_KV, n + 9, D)
+    slot_v = torch.zeros(H_KV, n + 9, D)
+    slot_k[:, :n], slot_v[:, :n] = k, v
+    viewed = qkv.view(n, H + 2 * H_KV, D)[:, :H]
+    assert torch.equal(prompt_attention(viewed, slot_k, slot_v, 0, 0.125, False, True), whole)
+    torch.testing.assert_close(
+        whole, prompt_attention(q, k, v, 0, 0.125, aligned=False), rtol=1e-5, atol=1e-5
+    )

@@ -7,8 +7,10 @@ Each row's arithmetic depends on nothing but that row (batch invariant, like the
 which pads attention to whole blocks for the same reason); it differs from the torch path's
 in the order of its sums (attention over exactly a row's own positions, its own softmax), so
 decode logits agree with it to ~1e-5, not bit for bit. Prefill's norms and SiLU run these
-same C functions, its RoPE the same per-row code (layers.py `in_c`); its attention stays in
-torch.
+same C functions, its RoPE the same per-row code (layers.py `in_c`), its attention the same
+per-row code too (layers.prompt_attention `in_c`): with bf16 activations, whose block
+products round the same at every row count, a token's K/V are the same bits decoded or
+prefilled.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Llama(Protocol):
     activations: str  # "float32", "int8" or "bfloat16": what the blocks multiply
     fused: bool  # whether this module runs its decode (and layers.py prompt rows' small ops in C)
     prompt_rows: int  # past this many prompt rows, the blocks' dense copy (kernels.linear)
+    attn_in_c: bool  # prompt attention in C, row for row as decode (layers.prompt_attention)
 
 
 MAX_HEAD_DIM = 512  # qmatmul.c's RoPE buffer

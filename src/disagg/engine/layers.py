@@ -90,12 +90,23 @@ def split_qkv(
 
 
 def prompt_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float, aligned: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    scale: float,
+    aligned: bool,
+    in_c: bool = False,
 ) -> torch.Tensor:
     """Causal attention of prompt queries q [n, H, D] (positions start..start+n-1) over the
     sequence's keys and values k, v [H_kv, >= start + n, D] (from position 0) -> [n, H * D].
-    `aligned` (a CPU): one call per block of PROMPT_ATTN_ROWS positions, which sees keys up to
-    its own last row; else one call for all n rows (a GPU: one kernel launch)."""
+    `in_c` (the block-quantized CPU engine): engine/qmatmul.c, each row with the operations
+    a decode step gives a row at its position, so a row's bits depend on its position and the
+    cache alone (whole, chunked, after a cached prefix, or decoded). Else `aligned` (a CPU):
+    one torch call per block of PROMPT_ATTN_ROWS positions, which sees keys up to its own
+    last row; else one call for all n rows (a GPU: one kernel launch)."""
+    if in_c:
+        return _attention_in_c(q, k, v, start, scale)
     end = start + q.shape[0]
     qh = q.transpose(0, 1)[None]  # [1, H, n, D]
     cuts = [start, end]
@@ -117,3 +128,24 @@ def prompt_attention(
         )  # [1, H, e - s, D]
         out.append(o[0].transpose(0, 1).reshape(e - s, -1))
     return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _attention_in_c(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
+) -> torch.Tensor:
+    n, heads, d = q.shape
+    if q.stride(2) != 1 or q.stride(1) != d:  # rows of whole heads (split_qkv's view is)
+        q = q.contiguous()
+    k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (k, v))
+    if k.stride(0) != v.stride(0):
+        k, v = k[:, : start + n].contiguous(), v[:, : start + n].contiguous()
+    if k.dtype != torch.float32 or q.dtype != torch.float32 or k.shape[1] < start + n:
+        raise ValueError("prompt attention in C: fp32 q, k, v with keys up to the last row")
+    threads = torch.get_num_threads()
+    out = torch.empty(n, heads * d)
+    scratch = torch.empty(threads * 4 * (start + n))  # qmatmul.c: STEP <= 4 score rows
+    quant.library().disagg_prompt_attention(
+        q.data_ptr(), q.stride(0), n, start, heads, k.shape[0], d, k.data_ptr(), v.data_ptr(),
+        k.stride(0) // d, scale, out.data_ptr(), scratch.data_ptr(), threads,
+    )  # fmt: skip
+    return out

@@ -179,6 +179,7 @@ class Llama:
         formats = sorted({lin.fmt for lin in [*used, self.lm_head] if isinstance(lin, BlockLinear)})
         self.weights = "+".join(formats) or self.compute_dtype
         self.fused = fused_decode.supported(self)
+        self.attn_in_c = self.fused  # prompt rows as decode rows: layers.prompt_attention
         self.activations = activations if self.fused or self.bf16_blocks else "float32"
         # past this many prompt rows the blocks' dense copy (kernels.linear)
         self.prompt_rows = quant.PROMPT_ROWS if self.fused else quant.DIRECT_ROWS
@@ -281,7 +282,7 @@ class Llama:
         for i, layer in until_stopped(self.layers, stop):
             q, k, v = self._qkv(layer, x, cos, sin)
             k_out[i], v_out[i] = k.transpose(0, 1), v.transpose(0, 1)
-            o = prompt_attention(q, k_out[i], v_out[i], 0, self.scale, self.aligned)
+            o = prompt_attention(q, k_out[i], v_out[i], 0, self.scale, self.aligned, self.attn_in_c)
             x = x + linear(o, layer.wo, self.prompt_rows)
             x = x + self._mlp(layer, x)
         last = x if all_logits else x[-1:]
@@ -299,7 +300,8 @@ class Llama:
         of the chunk's last position ([V]). Chunk after chunk, this is the whole prefill, in
         a different summation order where products round by their row count (fp32's dense
         copy: logits within ~1e-4 of `prefill`; bf16 dense weights: within ~0.2); the same
-        bits with the blocks wherever chunks start at multiples of layers.PROMPT_ATTN_ROWS."""
+        bits with the blocks, for any chunks where attention runs in C (`attn_in_c`), else
+        wherever chunks start at multiples of layers.PROMPT_ATTN_ROWS."""
         a = self.args
         end = start + len(token_ids)
         cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]
@@ -308,9 +310,8 @@ class Llama:
             q, k, v = self._qkv(layer, x, cos, sin)
             cache.k[i][slot, :, start:end] = k.transpose(0, 1)
             cache.v[i][slot, :, start:end] = v.transpose(0, 1)
-            o = prompt_attention(
-                q, cache.k[i][slot], cache.v[i][slot], start, self.scale, self.aligned
-            )
+            kc, vc = cache.k[i][slot], cache.v[i][slot]
+            o = prompt_attention(q, kc, vc, start, self.scale, self.aligned, self.attn_in_c)
             x = x + linear(o, layer.wo, self.prompt_rows)
             x = x + self._mlp(layer, x)
         return linear(rms_norm(x[-1:], self.norm, a.norm_eps, self.fused), self.lm_head)[0]

@@ -82,7 +82,8 @@ def prefill_chunks(model: Llama, chunks: list[Chunk], cache: KVCacheSlots) -> li
             kc, vc = cache.k[i][c.slot], cache.v[i][c.slot]
             kc[:, c.start : c.start + n] = k[lo : lo + n].transpose(0, 1)
             vc[:, c.start : c.start + n] = v[lo : lo + n].transpose(0, 1)
-            outs.append(prompt_attention(q[lo : lo + n], kc, vc, c.start, model.scale, True))
+            qc = q[lo : lo + n]
+            outs.append(prompt_attention(qc, kc, vc, c.start, model.scale, True, model.attn_in_c))
         x = x + _grouped(torch.cat(outs), layer.wo, small)
         x = x + _mlp(model, layer, x, small, bounds)
     last = torch.stack([x[b - 1] for b in bounds[1:]])  # [chunks, dim]

@@ -296,6 +296,7 @@ void disagg_q8_0_dequant(const int8_t *qs, const float *d, int64_t n, int64_t k,
  * independent in each (batch invariant) and the order of every sum is fixed. */
 
 #include <math.h>
+#include <omp.h>
 
 /* sum a[j] b[j] over n (a multiple of 8): eight lanes, folded at the end */
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -415,19 +416,21 @@ void disagg_rope_store(float *qkv, int64_t m_rows, int64_t n_heads, int64_t n_kv
     }
 }
 
-/* One query head's softmax over its scores p[0..t) (mx: their maximum), then o = the
- * weighted sum of the rows of v, position by position (w = p[i] / sum; o += w v_i). */
-static void weigh(float *p, int64_t t, float mx, const float *v, int64_t d, float *o) {
-    float sum = 0.0f;
-    exp_shifted(p, t, mx);
-    for (int64_t i = 0; i < t; i++) sum += p[i];
+/* o = the weighted sum of the rows of v [t, d], position by position: p[i] = p[i] / sum
+ * (one vector division rounds as eight scalar ones), then o += p[i] v_i (a multiply, then
+ * an add). */
+static void weigh(float *p, int64_t t, float sum, const float *v, int64_t d, float *o) {
 #ifdef DISAGG_AVX2
+    int64_t i = 0;
+    __m256 s8 = _mm256_set1_ps(sum);
+    for (; i + 8 <= t; i += 8) _mm256_storeu_ps(p + i, _mm256_div_ps(_mm256_loadu_ps(p + i), s8));
+    for (; i < t; i++) p[i] = p[i] / sum;
     int64_t j = 0;
     for (; j + 64 <= d; j += 64) { /* 64 of o in registers over all the positions */
         __m256 acc[8];
         for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < t; i++) {
-            __m256 w = _mm256_set1_ps(p[i] / sum);
+        for (i = 0; i < t; i++) {
+            __m256 w = _mm256_set1_ps(p[i]);
             const float *vi = v + i * d + j;
             for (int u = 0; u < 8; u++)
                 acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(w, _mm256_loadu_ps(vi + 8 * u)));
@@ -436,8 +439,8 @@ static void weigh(float *p, int64_t t, float mx, const float *v, int64_t d, floa
     }
     for (; j < d; j += 8) {
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < t; i++) {
-            __m256 w = _mm256_set1_ps(p[i] / sum);
+        for (i = 0; i < t; i++) {
+            __m256 w = _mm256_set1_ps(p[i]);
             acc = _mm256_add_ps(acc, _mm256_mul_ps(w, _mm256_loadu_ps(v + i * d + j)));
         }
         _mm256_storeu_ps(o + j, acc);
@@ -449,6 +452,21 @@ static void weigh(float *p, int64_t t, float mx, const float *v, int64_t d, floa
         for (int64_t j = 0; j < d; j++) o[j] += w * v[i * d + j];
     }
 #endif
+}
+
+/* the largest of p[0..t) (the same value in any order) */
+static inline float max_of(const float *p, int64_t t) {
+    float mx = -INFINITY;
+    int64_t i = 0;
+#ifdef DISAGG_AVX2
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= t; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + i));
+    float lane[8];
+    _mm256_storeu_ps(lane, m8);
+    for (int u = 0; u < 8; u++) mx = lane[u] > mx ? lane[u] : mx;
+#endif
+    for (; i < t; i++) mx = p[i] > mx ? p[i] : mx;
+    return mx;
 }
 
 #ifdef DISAGG_AVX2
@@ -485,6 +503,39 @@ static inline __attribute__((always_inline)) void scores(const float *q, int64_t
 }
 #endif
 
+#ifdef DISAGG_AVX2
+#define STEP AG
+#else
+#define STEP 1
+#endif
+
+/* ng (<= STEP) query heads of one kv head (q: theirs, d apart) attend over positions 0..t-1
+ * of its keys and values k, v [t, d]: scores into p (ng rows ld apart), the heads' outputs
+ * into out (d apart). Every output is the same sequence of operations whatever ng and ld are:
+ * a row's result depends on its query, its position and the cache alone. */
+static void attend(const float *q, int64_t ng, const float *k, const float *v, int64_t t,
+                   int64_t d, float scale, float *p, int64_t ld, float *out) {
+#ifdef DISAGG_AVX2
+    switch (ng) {
+    case 1: scores(q, d, 1, k, t, scale, p, ld, v); break;
+    case 2: scores(q, d, 2, k, t, scale, p, ld, v); break;
+    case 3: scores(q, d, 3, k, t, scale, p, ld, v); break;
+    default: scores(q, d, 4, k, t, scale, p, ld, v); break;
+    }
+#else
+    for (int64_t g = 0; g < ng; g++)
+        for (int64_t i = 0; i < t; i++) p[g * ld + i] = dot(q + g * d, k + i * d, d) * scale;
+#endif
+    /* each head's softmax: e^(score - max), then its sum, in position order; the heads' sums
+     * advance together (one chain of t dependent adds per head was a quarter of a long
+     * prompt's attention, waiting on each add) */
+    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t g = 0; g < ng; g++) exp_shifted(p + g * ld, t, max_of(p + g * ld, t));
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t g = 0; g < ng; g++) sum[g] += p[g * ld + i];
+    for (int64_t g = 0; g < ng; g++) weigh(p + g * ld, t, sum[g], v, d, out + g * d);
+}
+
 /* out [M, H * D]: row r's query heads (grouped by kv head) attend over positions 0..pos[r]
  * of its own cache slot. With AVX2 a kv head's query heads are scored together (its keys
  * read once for all of them); every output is the same sequence of operations either way. */
@@ -492,36 +543,38 @@ void disagg_decode_attention(const float *qkv, int64_t m_rows, int64_t n_heads, 
                              int64_t d, const int64_t *pos, const float *kcache,
                              const float *vcache, int64_t max_len, float scale, float *out,
                              float *scratch, int threads) {
-    int64_t width = (n_heads + 2 * n_kv) * d, group = n_heads / n_kv;
-#ifdef DISAGG_AVX2
-    int64_t step = AG;
-#else
-    int64_t step = 1;
-#endif
+    int64_t width = (n_heads + 2 * n_kv) * d, group = n_heads / n_kv, step = STEP;
     int64_t runs = (group + step - 1) / step; /* runs of query heads a kv head's are taken in */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t item = 0; item < m_rows * n_kv * runs; item++) {
         int64_t r = item / (n_kv * runs), kh = item / runs % n_kv, g0 = item % runs * step;
-        int64_t ng = group - g0 < step ? group - g0 : step, h0 = kh * group + g0, t = pos[r] + 1;
-        const float *q = qkv + r * width + h0 * d;
-        const float *k = kcache + (r * n_kv + kh) * max_len * d;
-        const float *v = vcache + (r * n_kv + kh) * max_len * d;
-        float *p = scratch + (r * n_heads + h0) * max_len;
-#ifdef DISAGG_AVX2
-        switch (ng) {
-        case 1: scores(q, d, 1, k, t, scale, p, max_len, v); break;
-        case 2: scores(q, d, 2, k, t, scale, p, max_len, v); break;
-        case 3: scores(q, d, 3, k, t, scale, p, max_len, v); break;
-        default: scores(q, d, 4, k, t, scale, p, max_len, v); break;
-        }
-#else
-        for (int64_t i = 0; i < t; i++) p[i] = dot(q, k + i * d, d) * scale;
-#endif
-        for (int64_t g = 0; g < ng; g++) {
-            float mx = -INFINITY, *pg = p + g * max_len;
-            for (int64_t i = 0; i < t; i++) mx = pg[i] > mx ? pg[i] : mx;
-            weigh(pg, t, mx, v, d, out + r * n_heads * d + (h0 + g) * d);
-        }
+        int64_t ng = group - g0 < step ? group - g0 : step, h0 = kh * group + g0;
+        int64_t at = (r * n_kv + kh) * max_len * d;
+        attend(qkv + r * width + h0 * d, ng, kcache + at, vcache + at, pos[r] + 1, d, scale,
+               scratch + (r * n_heads + h0) * max_len, max_len, out + (r * n_heads + h0) * d);
+    }
+}
+
+/* Prompt rows of one sequence: row r of q (rows q_ld floats apart, a row's heads d apart)
+ * sits at position start + r and attends over positions 0..start + r of k, v (kv head kh at
+ * kh * kv_ld * d, its positions d apart), with disagg_decode_attention's operations for a
+ * row at that position: a prompt's rows get the same bits whole, in chunks of any size,
+ * after a cached prefix, or as decode steps. out [M, H * D]; scratch: threads * STEP *
+ * (start + M) floats. A kv head's rows are dealt out in turn (a row's work grows with its
+ * position), so the threads read the same keys at the same time. */
+void disagg_prompt_attention(const float *q, int64_t q_ld, int64_t m_rows, int64_t start,
+                             int64_t n_heads, int64_t n_kv, int64_t d, const float *k,
+                             const float *v, int64_t kv_ld, float scale, float *out,
+                             float *scratch, int threads) {
+    int64_t group = n_heads / n_kv, step = STEP, runs = (group + step - 1) / step;
+    int64_t ld = start + m_rows;
+#pragma omp parallel for schedule(static, 1) num_threads(threads)
+    for (int64_t item = 0; item < n_kv * runs * m_rows; item++) {
+        int64_t r = item % m_rows, kh = item / m_rows / runs, g0 = item / m_rows % runs * step;
+        int64_t ng = group - g0 < step ? group - g0 : step, h0 = kh * group + g0;
+        float *p = scratch + (int64_t)omp_get_thread_num() * step * ld;
+        attend(q + r * q_ld + h0 * d, ng, k + kh * kv_ld * d, v + kh * kv_ld * d, start + r + 1,
+               d, scale, p, ld, out + (r * n_heads + h0) * d);
     }
 }
 
