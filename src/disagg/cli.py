@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument(
         "--activations",
         choices=ACTIVATION_SETTINGS,
-        default="float32",
-        help="what the quantized-block products multiply: float32, auto (bfloat16 where the "
-        "CPU has AVX512-BF16, else float32), int8 (llama.cpp's scheme; perplexity +0.4%%) "
+        default="auto",
+        help="what the quantized-block products multiply: auto (bfloat16 where the CPU has "
+        "AVX512-BF16, else float32), float32, int8 (llama.cpp's scheme; perplexity +0.4%%) "
         "or bfloat16 (fastest, AVX512-BF16 CPUs; prefill's products too; perplexity +0.1%%)",
     )
     g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")

@@ -55,7 +55,7 @@ class LLM:
         compute_dtype: str = "auto",
         device: str = "cpu",
         weights: str = "auto",
-        activations: str = "float32",
+        activations: str = "auto",
     ) -> None:
         self.model = Llama.load(engine_dir, compute_dtype, device, weights, activations)
         self.tokenizer = Tokenizer(engine_dir)

@@ -92,13 +92,13 @@ class ServeSettings:
     # at compute_dtype; "float32" / "bfloat16": dense at that precision (compute_dtype unused)
     weights: str = "auto"
     # what decode's block products multiply, and the prefill pool's (a handed-off prompt's
-    # K/V computed as decode computes its own): "float32": the fp32 engine's results up to
-    # summation order; "auto": bfloat16 where the CPU has AVX512-BF16, else float32;
+    # K/V computed as decode computes its own): "auto" is bfloat16 where the CPU has
+    # AVX512-BF16, else float32; "float32": the fp32 engine's results up to summation order;
     # "int8": rows quantized per 32 values as llama.cpp does (perplexity +0.4%, some greedy
     # replies part at near ties: docs/benchmarks.md); "bfloat16": rows and weights rounded
     # to bf16, products summed in fp32 (engine/qbf16.c; AVX512-BF16 only; perplexity +0.1%;
     # 1.3-1.4x the served throughput), prompts at every length. Quantized weights only.
-    decode_activations: str = "float32"
+    decode_activations: str = "auto"
     # where disagg's engine (engine_backend pytorch) runs: "cpu", or "cuda" / "cuda:N"
     device: str = "cpu"
     # the engine of the prefill and decode pools: "pytorch" (disagg's, CPU) or "tensorrt_llm"

@@ -197,7 +197,7 @@ def run_profile(
     threads: int = 0,
     quick: bool = False,
     log: Log = print,
-    activations: str = "float32",
+    activations: str = "auto",
 ) -> Profile:
     """Measure everything in the plan, fit, and return the profile (not yet saved).
     `activations` as the pools' decode_activations setting (its default: what is served)."""

@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
         help="as the weights setting: the checkpoint's quantized blocks where they run, or dense",
     )  # fmt: skip
     p.add_argument(
-        "--activations", choices=ACTIVATION_SETTINGS, default="float32",
+        "--activations", choices=ACTIVATION_SETTINGS, default="auto",
         help="what the block products multiply, as the decode_activations setting",
     )  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

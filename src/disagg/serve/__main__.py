@@ -214,8 +214,8 @@ def _weights(settings: ServeSettings) -> str:
         acts = "auto: " + ("bfloat16" if "avx512_bf16" in flags else "float32")  # (qbf16.c)
     return (
         f"auto: the checkpoint's own {'+'.join(formats)} blocks, {acts} activations "
-        "(DISAGG_WEIGHTS=float32: dense; DISAGG_DECODE_ACTIVATIONS=int8 or, on AVX512-BF16 "
-        "CPUs, auto or bfloat16: faster)"
+        "(DISAGG_WEIGHTS=float32: dense; DISAGG_DECODE_ACTIVATIONS=float32, int8 or, on "
+        "AVX512-BF16 CPUs, bfloat16: others)"
     )
 
 
