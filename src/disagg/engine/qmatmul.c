@@ -416,43 +416,65 @@ void disagg_rope_store(float *qkv, int64_t m_rows, int64_t n_heads, int64_t n_kv
     }
 }
 
-/* o = the weighted sum of the rows of v [t, d], position by position: p[i] = p[i] / sum
- * (one vector division rounds as eight scalar ones), then o += p[i] v_i (a multiply, then
- * an add). */
-static void weigh(float *p, int64_t t, float sum, const float *v, int64_t d, float *o) {
-#ifdef DISAGG_AVX2
+#define AG 4 /* query heads of one kv head attended together (AVX2) */
+
+/* p[0..t) /= sum (one vector division rounds as eight scalar ones) */
+static void normalize(float *p, int64_t t, float sum) {
     int64_t i = 0;
+#ifdef DISAGG_AVX2
     __m256 s8 = _mm256_set1_ps(sum);
     for (; i + 8 <= t; i += 8) _mm256_storeu_ps(p + i, _mm256_div_ps(_mm256_loadu_ps(p + i), s8));
+#endif
     for (; i < t; i++) p[i] = p[i] / sum;
+}
+
+#ifdef DISAGG_AVX2
+/* NG heads' outputs o_g (d apart) = the weighted sum of the rows of v [t, d], position by
+ * position: o_g += p_g[i] v_i (a multiply, then an add; p_g: NG weight rows ld apart).
+ * Each row of v is read once for all NG heads. */
+static inline __attribute__((always_inline)) void weigh(const float *p, int64_t ld, const int NG,
+                                                        int64_t t, const float *v, int64_t d,
+                                                        float *o) {
     int64_t j = 0;
-    for (; j + 64 <= d; j += 64) { /* 64 of o in registers over all the positions */
-        __m256 acc[8];
-        for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-        for (i = 0; i < t; i++) {
-            __m256 w = _mm256_set1_ps(p[i]);
+    for (; j + 32 <= d; j += 32) { /* 32 of each head's o in registers over all the positions */
+        __m256 acc[AG][4];
+        for (int g = 0; g < NG; g++)
+            for (int u = 0; u < 4; u++) acc[g][u] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < t; i++) {
             const float *vi = v + i * d + j;
-            for (int u = 0; u < 8; u++)
-                acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(w, _mm256_loadu_ps(vi + 8 * u)));
+            __m256 vv[4];
+            for (int u = 0; u < 4; u++) vv[u] = _mm256_loadu_ps(vi + 8 * u);
+            for (int g = 0; g < NG; g++) {
+                __m256 w = _mm256_set1_ps(p[g * ld + i]);
+                for (int u = 0; u < 4; u++)
+                    acc[g][u] = _mm256_add_ps(acc[g][u], _mm256_mul_ps(w, vv[u]));
+            }
         }
-        for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + j + 8 * u, acc[u]);
+        for (int g = 0; g < NG; g++)
+            for (int u = 0; u < 4; u++) _mm256_storeu_ps(o + g * d + j + 8 * u, acc[g][u]);
     }
     for (; j < d; j += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (i = 0; i < t; i++) {
-            __m256 w = _mm256_set1_ps(p[i]);
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(w, _mm256_loadu_ps(v + i * d + j)));
+        __m256 acc[AG];
+        for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < t; i++) {
+            __m256 vv = _mm256_loadu_ps(v + i * d + j);
+            for (int g = 0; g < NG; g++)
+                acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_set1_ps(p[g * ld + i]), vv));
         }
-        _mm256_storeu_ps(o + j, acc);
+        for (int g = 0; g < NG; g++) _mm256_storeu_ps(o + g * d + j, acc[g]);
     }
-#else
-    for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
-    for (int64_t i = 0; i < t; i++) {
-        float w = p[i] / sum;
-        for (int64_t j = 0; j < d; j++) o[j] += w * v[i * d + j];
-    }
-#endif
 }
+#else
+static void weigh(const float *p, int64_t ld, int ng, int64_t t, const float *v, int64_t d,
+                  float *o) {
+    for (int g = 0; g < ng; g++) {
+        float *og = o + g * d;
+        for (int64_t j = 0; j < d; j++) og[j] = 0.0f;
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t j = 0; j < d; j++) og[j] += p[g * ld + i] * v[i * d + j];
+    }
+}
+#endif
 
 /* the largest of p[0..t) (the same value in any order) */
 static inline float max_of(const float *p, int64_t t) {
@@ -470,7 +492,6 @@ static inline float max_of(const float *p, int64_t t) {
 }
 
 #ifdef DISAGG_AVX2
-#define AG 4 /* query heads of one kv head scored together */
 /* p[g * ld + i] = dot(q_g, k_i) * scale for NG query heads: each dot dot()'s own chain of
  * fmas and fold, 2 NG of them in flight (two positions a pass) instead of one. The values'
  * rows (pv) are requested as their keys are read: one stream alone left half the memory
@@ -533,7 +554,17 @@ static void attend(const float *q, int64_t ng, const float *k, const float *v, i
     for (int64_t g = 0; g < ng; g++) exp_shifted(p + g * ld, t, max_of(p + g * ld, t));
     for (int64_t i = 0; i < t; i++)
         for (int64_t g = 0; g < ng; g++) sum[g] += p[g * ld + i];
-    for (int64_t g = 0; g < ng; g++) weigh(p + g * ld, t, sum[g], v, d, out + g * d);
+    for (int64_t g = 0; g < ng; g++) normalize(p + g * ld, t, sum[g]);
+#ifdef DISAGG_AVX2
+    switch (ng) {
+    case 1: weigh(p, ld, 1, t, v, d, out); break;
+    case 2: weigh(p, ld, 2, t, v, d, out); break;
+    case 3: weigh(p, ld, 3, t, v, d, out); break;
+    default: weigh(p, ld, 4, t, v, d, out); break;
+    }
+#else
+    weigh(p, ld, (int)ng, t, v, d, out);
+#endif
 }
 
 /* out [M, H * D]: row r's query heads (grouped by kv head) attend over positions 0..pos[r]
