@@ -97,7 +97,7 @@ class ServeSettings:
     # "int8": rows quantized per 32 values as llama.cpp does (perplexity +0.4%, some greedy
     # replies part at near ties: docs/benchmarks.md); "bfloat16": rows and weights rounded
     # to bf16, products summed in fp32 (engine/qbf16.c; AVX512-BF16 only; perplexity +0.1%;
-    # 1.3-1.4x the served throughput), prompts at every length. Quantized weights only.
+    # 1.3-1.5x the served throughput), prompts at every length. Quantized weights only.
     decode_activations: str = "auto"
     # where disagg's engine (engine_backend pytorch) runs: "cpu", or "cuda" / "cuda:N"
     device: str = "cpu"
