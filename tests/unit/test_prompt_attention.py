@@ -109,3 +109,13 @@ def test_rows_in_c_equal_decode_steps_bit_for_bit_however_they_are_cut(n):
     torch.testing.assert_close(
         whole, prompt_attention(q, k, v, 0, 0.125, aligned=False), rtol=1e-5, atol=1e-5
     )
+
+
+def test_rows_in_c_refuse_what_the_kernel_cannot_read():
+    q, k, v = _qkv(8, 3)
+    with pytest.raises(ValueError, match="head_dim a multiple of 8"):
+        prompt_attention(q[..., :60], k[..., :60], v[..., :60], 0, 0.125, False, in_c=True)
+    with pytest.raises(ValueError, match="fp32 CPU tensors"):
+        prompt_attention(q, k, v.double(), 0, 0.125, False, in_c=True)
+    with pytest.raises(ValueError, match="keys up to the last row"):
+        prompt_attention(q, k[:, :4], v[:, :4], 0, 0.125, False, in_c=True)

@@ -134,17 +134,20 @@ def _attention_in_c(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
 ) -> torch.Tensor:
     n, heads, d = q.shape
+    ts = (q, k, v)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts) or d % 8:
+        raise ValueError("prompt attention in C: fp32 CPU tensors, head_dim a multiple of 8")
+    if k.shape[1] < start + n or v.shape[1] < start + n or heads % k.shape[0]:
+        raise ValueError("prompt attention in C: keys up to the last row, whole query groups")
     if q.stride(2) != 1 or q.stride(1) != d:  # rows of whole heads (split_qkv's view is)
         q = q.contiguous()
     k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (k, v))
-    if k.stride(0) != v.stride(0):
+    if k.stride(0) != v.stride(0) or k.stride(0) % d:
         k, v = k[:, : start + n].contiguous(), v[:, : start + n].contiguous()
-    if k.dtype != torch.float32 or q.dtype != torch.float32 or k.shape[1] < start + n:
-        raise ValueError("prompt attention in C: fp32 q, k, v with keys up to the last row")
-    threads = torch.get_num_threads()
+    lib, threads = quant.library(), torch.get_num_threads()
     out = torch.empty(n, heads * d)
-    scratch = torch.empty(threads * 4 * (start + n))  # qmatmul.c: STEP <= 4 score rows
-    quant.library().disagg_prompt_attention(
+    scratch = torch.empty(threads * lib.disagg_attention_step() * (start + n))
+    lib.disagg_prompt_attention(
         q.data_ptr(), q.stride(0), n, start, heads, k.shape[0], d, k.data_ptr(), v.data_ptr(),
         k.stride(0) // d, scale, out.data_ptr(), scratch.data_ptr(), threads,
     )  # fmt: skip

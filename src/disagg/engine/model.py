@@ -300,8 +300,9 @@ class Llama:
         of the chunk's last position ([V]). Chunk after chunk, this is the whole prefill, in
         a different summation order where products round by their row count (fp32's dense
         copy: logits within ~1e-4 of `prefill`; bf16 dense weights: within ~0.2); the same
-        bits with the blocks, for any chunks where attention runs in C (`attn_in_c`), else
-        wherever chunks start at multiples of layers.PROMPT_ATTN_ROWS."""
+        bits with bf16 block products (the same bits at every row count), for any chunks
+        where attention runs in C (`attn_in_c`), else wherever chunks start at multiples of
+        layers.PROMPT_ATTN_ROWS."""
         a = self.args
         end = start + len(token_ids)
         cos, sin = self.cos[start:end, None, :], self.sin[start:end, None, :]

@@ -296,7 +296,12 @@ void disagg_q8_0_dequant(const int8_t *qs, const float *d, int64_t n, int64_t k,
  * independent in each (batch invariant) and the order of every sum is fixed. */
 
 #include <math.h>
+#ifdef _OPENMP
 #include <omp.h>
+#define THREAD_NUM() omp_get_thread_num()
+#else
+#define THREAD_NUM() 0
+#endif
 
 /* sum a[j] b[j] over n (a multiple of 8): eight lanes, folded at the end */
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -476,13 +481,15 @@ static void weigh(const float *p, int64_t ld, int ng, int64_t t, const float *v,
 }
 #endif
 
-/* the largest of p[0..t) (the same value in any order) */
+/* the largest of p[0..t), NaNs passed over (the same value in any order) */
 static inline float max_of(const float *p, int64_t t) {
     float mx = -INFINITY;
     int64_t i = 0;
 #ifdef DISAGG_AVX2
     __m256 m8 = _mm256_set1_ps(-INFINITY);
-    for (; i + 8 <= t; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(p + i));
+    /* (maxps returns its second operand where either is NaN: the running maximum, as the
+     * scalar comparison below keeps it) */
+    for (; i + 8 <= t; i += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(p + i), m8);
     float lane[8];
     _mm256_storeu_ps(lane, m8);
     for (int u = 0; u < 8; u++) mx = lane[u] > mx ? lane[u] : mx;
@@ -529,6 +536,10 @@ static inline __attribute__((always_inline)) void scores(const float *q, int64_t
 #else
 #define STEP 1
 #endif
+
+/* score rows a kv head's query heads take at once: disagg_prompt_attention's scratch is
+ * threads * this * (start + M) floats */
+int disagg_attention_step(void) { return STEP; }
 
 /* ng (<= STEP) query heads of one kv head (q: theirs, d apart) attend over positions 0..t-1
  * of its keys and values k, v [t, d]: scores into p (ng rows ld apart), the heads' outputs
@@ -603,7 +614,7 @@ void disagg_prompt_attention(const float *q, int64_t q_ld, int64_t m_rows, int64
     for (int64_t item = 0; item < n_kv * runs * m_rows; item++) {
         int64_t r = item % m_rows, kh = item / m_rows / runs, g0 = item / m_rows % runs * step;
         int64_t ng = group - g0 < step ? group - g0 : step, h0 = kh * group + g0;
-        float *p = scratch + (int64_t)omp_get_thread_num() * step * ld;
+        float *p = scratch + (int64_t)THREAD_NUM() * step * ld;
         attend(q + r * q_ld + h0 * d, ng, k + kh * kv_ld * d, v + kh * kv_ld * d, start + r + 1,
                d, scale, p, ld, out + (r * n_heads + h0) * d);
     }

@@ -134,6 +134,7 @@ def _library() -> ctypes.CDLL | str:
     lib.disagg_decode_attention.argtypes += [_i64, f32, _ptr, _ptr, ctypes.c_int]
     lib.disagg_prompt_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr]
     lib.disagg_prompt_attention.argtypes += [_ptr, _i64, f32, _ptr, _ptr, ctypes.c_int]
+    lib.disagg_attention_step.argtypes, lib.disagg_attention_step.restype = [], ctypes.c_int
     lib.disagg_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
     lib.disagg_rope_rows.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int]
     lib.disagg_qdot_matmul.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _i64]
