@@ -541,41 +541,40 @@ static inline __attribute__((always_inline)) void scores(const float *q, int64_t
  * threads * this * (start + M) floats */
 int disagg_attention_step(void) { return STEP; }
 
-/* ng (<= STEP) query heads of one kv head (q: theirs, d apart) attend over positions 0..t-1
- * of its keys and values k, v [t, d]: scores into p (ng rows ld apart), the heads' outputs
- * into out (d apart). Every output is the same sequence of operations whatever ng and ld are:
+/* NG (<= STEP) query heads of one kv head (q: theirs, d apart) attend over positions 0..t-1
+ * of its keys and values k, v [t, d]: scores into p (NG rows ld apart), the heads' outputs
+ * into out (d apart). Every output is the same sequence of operations whatever NG and ld are:
  * a row's result depends on its query, its position and the cache alone. */
-static void attend(const float *q, int64_t ng, const float *k, const float *v, int64_t t,
-                   int64_t d, float scale, float *p, int64_t ld, float *out) {
+static inline __attribute__((always_inline)) void attend_n(const float *q, const int NG,
+                                                           const float *k, const float *v,
+                                                           int64_t t, int64_t d, float scale,
+                                                           float *p, int64_t ld, float *out) {
 #ifdef DISAGG_AVX2
-    switch (ng) {
-    case 1: scores(q, d, 1, k, t, scale, p, ld, v); break;
-    case 2: scores(q, d, 2, k, t, scale, p, ld, v); break;
-    case 3: scores(q, d, 3, k, t, scale, p, ld, v); break;
-    default: scores(q, d, 4, k, t, scale, p, ld, v); break;
-    }
+    scores(q, d, NG, k, t, scale, p, ld, v);
 #else
-    for (int64_t g = 0; g < ng; g++)
+    for (int g = 0; g < NG; g++)
         for (int64_t i = 0; i < t; i++) p[g * ld + i] = dot(q + g * d, k + i * d, d) * scale;
 #endif
     /* each head's softmax: e^(score - max), then its sum, in position order; the heads' sums
      * advance together (one chain of t dependent adds per head was a quarter of a long
      * prompt's attention, waiting on each add) */
-    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t g = 0; g < ng; g++) exp_shifted(p + g * ld, t, max_of(p + g * ld, t));
+    float sum[AG] = {0.0f};
+    for (int g = 0; g < NG; g++) exp_shifted(p + g * ld, t, max_of(p + g * ld, t));
     for (int64_t i = 0; i < t; i++)
-        for (int64_t g = 0; g < ng; g++) sum[g] += p[g * ld + i];
-    for (int64_t g = 0; g < ng; g++) normalize(p + g * ld, t, sum[g]);
-#ifdef DISAGG_AVX2
+        for (int g = 0; g < NG; g++) sum[g] += p[g * ld + i];
+    for (int g = 0; g < NG; g++) normalize(p + g * ld, t, sum[g]);
+    weigh(p, ld, NG, t, v, d, out);
+}
+
+/* attend_n for ng heads, NG made a constant for the compiler (registers, unrolling) */
+static void attend(const float *q, int64_t ng, const float *k, const float *v, int64_t t,
+                   int64_t d, float scale, float *p, int64_t ld, float *out) {
     switch (ng) {
-    case 1: weigh(p, ld, 1, t, v, d, out); break;
-    case 2: weigh(p, ld, 2, t, v, d, out); break;
-    case 3: weigh(p, ld, 3, t, v, d, out); break;
-    default: weigh(p, ld, 4, t, v, d, out); break;
+    case 1: attend_n(q, 1, k, v, t, d, scale, p, ld, out); break;
+    case 2: attend_n(q, 2, k, v, t, d, scale, p, ld, out); break;
+    case 3: attend_n(q, 3, k, v, t, d, scale, p, ld, out); break;
+    default: attend_n(q, 4, k, v, t, d, scale, p, ld, out); break;
     }
-#else
-    weigh(p, ld, (int)ng, t, v, d, out);
-#endif
 }
 
 /* out [M, H * D]: row r's query heads (grouped by kv head) attend over positions 0..pos[r]
