@@ -86,6 +86,7 @@ class DecodeParams(TrtllmDecodeParams):
     decode_prefill_chunk: int
     decode_stream_interval: int
     decode_torch_threads: int
+    decode_one_pool: bool
     run_dir: str
     prefix_cache_tokens: int
     host: str  # where its KV events are published (kv_events_port; 0: none)
@@ -152,6 +153,7 @@ MODEL_ONLY_PARAMETERS = {
     "prefill_model": "str",
     "decode_model": "str",
     "kv_pull": "bool",  # ServeSettings.kv_pull
+    "decode_one_pool": "bool",  # prefill_yield.decode_one_pool
 }
 Params = TypeVar("Params", bound="DataclassInstance")
 

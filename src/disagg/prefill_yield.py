@@ -1,4 +1,5 @@
-"""How much of a shared CPU the prefill processes take: their torch threads and niceness.
+"""How much of a shared CPU the prefill processes take: their torch threads and niceness; and
+whether decode's process runs one OpenMP pool (engine/omp.py).
 
 Where conditional mode runs both pools in one CPU server, a prefill sent to the prefill pool
 computes on the cores decode steps on. With torch's default threads at the same priority,
@@ -12,13 +13,20 @@ request is unaffected: with decode idle the cost model prefills it locally.
 
 Elsewhere (a prefill pool on servers of its own, GPUs, an explicit mode) nothing changes:
 torch's default threads at the niceness the process started with.
+
+Decode's OpenMP workers spin between parallel regions while its process has one pool, and
+sleep at once while it has two (libgomp throttles spinning when it manages more threads
+than CPUs). Measured on 2 cores (docs/benchmarks.md, "One OpenMP pool"): with the cores its
+own, one pool served co-located 16 chat streams 8% faster and one stream 37-57% faster;
+beside a prefill pool on the same cores, the spinning starved the prefill (long prompts'
+TTFT 11-12 -> 17-19 s, 16 streams 5% slower), so there decode keeps two.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from disagg.contracts import CONDITIONAL
+from disagg.contracts import CONDITIONAL, DISAGGREGATED
 
 
 class ServeSettings(Protocol):
@@ -37,6 +45,8 @@ class ServeSettings(Protocol):
     def prefill_torch_threads(self) -> int: ...
     @property
     def prefill_nice(self) -> int: ...
+    @property
+    def decode_instances(self) -> int: ...
     def resolved_mode(self) -> tuple[str, str]: ...
 
 
@@ -44,11 +54,22 @@ SHARED_THREADS = 1
 SHARED_NICE = 10
 
 
-def shares_cores(s: ServeSettings) -> bool:
-    """Whether this server runs a conditional mode's prefill pool on decode's CPU cores."""
+def _prefill_here(s: ServeSettings, modes: tuple[str, ...]) -> bool:
+    """Whether this server runs a prefill pool of our CPU engine, in one of `modes`."""
     one_server = s.role == "all" and not s.prefill_replicas
     ours_on_cpu = s.engine_backend == "pytorch" and s.device == "cpu"
-    return one_server and ours_on_cpu and s.resolved_mode()[0] == CONDITIONAL
+    return one_server and ours_on_cpu and s.resolved_mode()[0] in modes
+
+
+def shares_cores(s: ServeSettings) -> bool:
+    """Whether this server runs a conditional mode's prefill pool on decode's CPU cores."""
+    return _prefill_here(s, (CONDITIONAL,))
+
+
+def decode_one_pool(s: ServeSettings) -> bool:
+    """Whether decode's process keeps one OpenMP pool (its engine loop's): where no other
+    engine process computes on its cores (no prefill pool here, one decode instance)."""
+    return s.decode_instances == 1 and not _prefill_here(s, (CONDITIONAL, DISAGGREGATED))
 
 
 def prefill_yield(s: ServeSettings) -> tuple[int, int]:
@@ -58,3 +79,13 @@ def prefill_yield(s: ServeSettings) -> tuple[int, int]:
     if s.prefill_torch_threads or s.prefill_nice or not shares_cores(s):
         return s.prefill_torch_threads, s.prefill_nice
     return SHARED_THREADS, SHARED_NICE
+
+
+def template_values(s: ServeSettings) -> dict[str, str]:
+    """The model configs' parameters this module decides."""
+    threads, nice = prefill_yield(s)
+    return {
+        "prefill_torch_threads": str(threads),
+        "prefill_nice": str(nice),
+        "decode_one_pool": str(decode_one_pool(s)).lower(),
+    }

@@ -23,10 +23,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from disagg import prefill_yield
 from disagg.contracts import CONDITIONAL, DISAGGREGATED, MODES
 from disagg.engine.config import ACTIVATION_SETTINGS
 from disagg.errors import ConfigError
-from disagg.prefill_yield import prefill_yield
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("all", "frontend", "prefill", "decode")
@@ -391,7 +391,7 @@ def template_values(s: ServeSettings, run_dir: Path) -> dict[str, str]:
     values["run_dir"] = str(run_dir)
     values["kv_pull"] = str(s.kv_pull).lower()
     values["mode"] = s.resolved_mode()[0]
-    values["prefill_torch_threads"], values["prefill_nice"] = map(str, prefill_yield(s))
+    values.update(prefill_yield.template_values(s))
     return values
 
 

@@ -110,6 +110,24 @@ def test_prefill_yields_shared_cores_only_where_conditional_runs_both_pools_on_o
     assert (values["prefill_torch_threads"], values["prefill_nice"]) == threads_nice
 
 
+@pytest.mark.parametrize(
+    "settings, one_pool",
+    [
+        ({}, False),  # auto -> conditional: a prefill pool on decode's cores
+        ({"mode": "disaggregated"}, False),
+        ({"mode": "colocated"}, True),  # decode prefills its own: the cores are its
+        ({"mode": "colocated", "decode_instances": 2}, False),  # two engines share them
+        ({"role": "decode"}, True),
+        ({"prefill_replicas": "10.0.0.2:8001"}, True),  # prefill on another server
+    ],
+)  # fmt: skip
+def test_decode_keeps_one_openmp_pool_only_where_no_other_engine_shares_its_cores(
+    tmp_path, settings, one_pool
+):
+    values = template_values(ServeSettings(**settings), tmp_path)
+    assert values["decode_one_pool"] == str(one_pool).lower()
+
+
 def test_compute_dtype_defaults_to_auto_and_refuses_others():
     assert ServeSettings().compute_dtype == "auto"
     for ok in ("auto", "float32", "bfloat16"):

@@ -8,6 +8,7 @@ from pathlib import Path
 from disagg import contracts as C
 from disagg import heartbeat
 from disagg.cancel import CancelRegistry
+from disagg.engine import omp
 from disagg.engine.config import load_model_args
 from disagg.engine.llm_engine import DecodeEngine
 from disagg.engine.model import Llama
@@ -21,6 +22,7 @@ class TritonPythonModel:
     def initialize(self, args):
         pb.configure_logging()
         p = pb.model_parameters(args).typed(DecodeParams)
+        self.one_pool = False
         self.metrics = pb_metrics.DecodeMetrics(args["model_name"], args["model_instance_name"])
         if p.engine_backend == "tensorrt_llm":
             from disagg.trtllm.runtime import decode_engine
@@ -28,6 +30,14 @@ class TritonPythonModel:
             engine = decode_engine(p)  # same DecodeEngine interface, TensorRT-LLM underneath
         else:
             pb.set_torch_threads(p.decode_torch_threads)
+            # with decode's cores its own, the engine loop's OpenMP pool alone: its workers
+            # spin between parallel regions; beside a prefill pool, a second pool (this
+            # thread's) makes them sleep at once and leave it the cores (engine/omp.py)
+            self.one_pool = p.decode_one_pool
+            if self.one_pool:
+                omp.serial_here()
+            else:
+                omp.pool_here()
             eos = eos_token_ids(p.engine_dir)
             engine = DecodeEngine(
                 Llama.load(
@@ -68,6 +78,8 @@ class TritonPythonModel:
         return s.num_running, s.num_waiting, max(self.max_num_seqs - s.num_running, 0), free_kv
 
     def execute(self, requests):
+        if self.one_pool:
+            omp.serial_here()  # (whichever thread the stub calls this on: see initialize)
         for request in requests:
             sink = decode_side.SenderSink(
                 request.get_response_sender(),
