@@ -1,5 +1,5 @@
-"""One OpenMP thread pool per process: threads other than the engine's keep their torch and
-kernel work serial.
+"""How many OpenMP thread pools a decode process has: one (the engine loop's) where its cores
+are its own, two where another engine process computes on them.
 
 GNU libgomp (torch's OpenMP on Linux, and our kernels') keeps a pool of workers for every
 thread that starts a parallel region. While a process has more pooled threads than CPUs,
@@ -9,9 +9,9 @@ every parallel region wakes sleeping workers. A decode step runs hundreds of reg
 matmuls, norms and attention of every layer).
 
 A decode stub had two pools on two cores: one made by Triton's thread (the model load, the
-copies of a KV hand-off) and one by the engine's loop thread, and its batch-1 step took 11 ms
-where the same step took 6 ms with one pool. `serial_here()` on Triton's thread keeps that
-thread from ever making a pool; the loop thread keeps torch's thread count.
+copies of a KV hand-off) and one by the engine's loop thread, and a batch-1 step on the
+loop thread took 11 ms where it took 7-8 ms with one pool. `serial_here()` on Triton's
+thread keeps that thread from ever making a pool; the loop thread keeps torch's count.
 
 Spinning is not free where other processes compute on the same cores: a spinning worker
 takes CPU they would use. Beside a prefill pool, decode is better served by workers that
