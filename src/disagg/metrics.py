@@ -135,6 +135,14 @@ DECISIONS = _m(
     "Conditional mode: where each prompt was prefilled, and the cost model's reason",
     ("model", "prefill", "reason"),
 )
+CONDITIONAL_ESTIMATE = _m(
+    "disagg_conditional_estimate",
+    GAUGE,
+    "Conditional mode: what the cost model has learned and decides with (remote_stall: the "
+    "share of a remote prefill that still slows decode; prefill seconds per token and fixed "
+    "seconds on each side; hand-off seconds per token)",
+    ("model", "estimate"),
+)
 CACHED_TOKENS = _m(
     "disagg_request_cached_tokens",
     HISTOGRAM,

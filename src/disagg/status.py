@@ -209,6 +209,11 @@ def render(
         lines += [
             f"  {s.label('prefill'):<7}{s.label('reason'):<16}{s.value:8.0f}" for s in decisions
         ]
+        learned = {
+            s.label("estimate"): s.value for s in now if s.name == "disagg_conditional_estimate"
+        }
+        if learned:
+            lines.append("  decided with: " + ", ".join(f"{k} {v:.3g}" for k, v in learned.items()))
     routes = [s for s in now if s.name == "disagg_router_requests_total"]
     if routes:
         lines += ["", "router (total)"]

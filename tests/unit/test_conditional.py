@@ -122,6 +122,20 @@ def test_it_learns_prefill_and_hand_off_speed_from_reports():
     assert model.handoff_s_per_token == pytest.approx((1e-5 + 5e-5) / 2)
     model.observe_prefill(0, 1.0)  # nothing to learn from an empty prompt
     assert model.remote_s_per_token == pytest.approx(2e-3)
+    # what the metrics show (disagg_conditional_estimate) is what it now decides with
+    assert model.estimates() == pytest.approx({
+        "remote_stall": 0.5, "local_prefill_s_per_token": 1.25e-3,
+        "remote_prefill_s_per_token": 2e-3, "local_prefill_fixed_s": model.local_fixed_s,
+        "remote_prefill_fixed_s": 0.0, "handoff_s_per_token": (1e-5 + 5e-5) / 2,
+    })  # fmt: skip
+
+
+def test_until_decode_learned_its_speed_the_estimates_show_the_pools():
+    """Before decode prefilled a long prompt beside others, decisions take its speed as the
+    prefill pool's: the estimate shown must be that one, not the unused prior."""
+    model = CostModel(CostParams(prefill_s_per_token=1e-3, learn_rate=1.0))
+    model.observe_prefill(1000, 4.0)
+    assert model.estimates()["local_prefill_s_per_token"] == pytest.approx(4e-3)
 
 
 def test_shared_cores_keep_prefill_local_separate_hardware_sends_it_away():

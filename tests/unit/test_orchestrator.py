@@ -203,8 +203,9 @@ class Recorder(OrchestratorEvents):
     def kv_handoff(self, num_bytes, seconds, path):
         self.calls.append(("kv_handoff", num_bytes))
 
-    def decision(self, remote, reason):
+    def decision(self, remote, reason, estimates):
         self.calls.append(("decision", remote, reason))
+        self.estimates = dict(estimates)
 
     def kv_handoff_skipped(self, num_bytes):
         self.calls.append(("kv_handoff_skipped", num_bytes))
@@ -232,6 +233,9 @@ def test_conditional_mode_follows_its_cost_model(tokenizer, args):
     assert final.served_by == DISAGGREGATED and prefill.calls == [long.prompt_ids]
     assert events.names("decision")[-1] == ("decision", True, "protect_decode")
     assert events.names("kv_handoff") == [("kv_handoff", 16)]
+    # the estimates it was decided with (the hand-off it then saw moved one of them since)
+    assert events.estimates.keys() == o.cost_model.estimates().keys()
+    assert events.estimates["remote_stall"] == o.cost_model.remote_stall
 
 
 def test_conditional_mode_sends_a_prompt_where_its_prefix_is_cached(tokenizer, args):

@@ -37,6 +37,7 @@ disagg_decode_waiting_sequences{instance="decode_0_0",model="decode"} 1
 disagg_decode_kv_bytes_in_use{instance="decode_0_0",model="decode"} 104857600
 disagg_decode_kv_bytes_capacity{instance="decode_0_0",model="decode"} 419430400
 disagg_conditional_decisions_total{model="orchestrator",prefill="remote",reason="protect_decode"} 4
+disagg_conditional_estimate{model="orchestrator",estimate="remote_stall"} 0.25
 garbage line without a value
 """
 
@@ -67,6 +68,7 @@ def test_a_frame_shows_pools_decode_and_recent_latency():
     # p50 in (0.1, 0.5]; p90 and p99 fall in the +Inf bucket: its lower bound, 1 s
     assert ttft.split()[1:4] == ["400", "1000", "1000"]
     assert "protect_decode" in frame
+    assert "decided with: remote_stall 0.25" in frame
 
 
 def test_a_frame_shows_what_hand_offs_left_out_and_the_prefix_misses():

@@ -180,6 +180,19 @@ class CostModel:
             remote < local, reason, local, remote, p_local, p_remote, queue, handoff, stall
         )
 
+    def estimates(self) -> dict[str, float]:
+        """What decisions are made with now (the metrics' `estimate` labels)."""
+        with self._lock:
+            local = self.local_s_per_token if self.local_learned else self.remote_s_per_token
+            return {
+                "remote_stall": self.remote_stall,
+                "local_prefill_s_per_token": local,
+                "remote_prefill_s_per_token": self.remote_s_per_token,
+                "local_prefill_fixed_s": self.local_fixed_s,
+                "remote_prefill_fixed_s": self.remote_fixed_s,
+                "handoff_s_per_token": self.handoff_s_per_token,
+            }
+
     def observe_prefill(self, num_tokens: int, compute_s: float) -> None:
         """A prefill the pool reported: its compute time for `num_tokens` prompt tokens."""
         if num_tokens > 0 and compute_s > 0:

@@ -3,7 +3,7 @@ implement them) and the hooks it reports through (the Triton model's metrics).""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 from disagg.contracts import DecodeStep, Handoff
@@ -56,7 +56,9 @@ class OrchestratorEvents:
     def kv_prefix_miss(self) -> None:
         """Decode lacked the prefix a partial hand-off left out: it was handed off whole."""
 
-    def decision(self, remote: bool, reason: str) -> None: ...
+    def decision(self, remote: bool, reason: str, estimates: Mapping[str, float]) -> None:
+        """Where a prompt is prefilled, why, and the cost model's estimates it was decided
+        with (pipeline/conditional.py: CostModel.estimates)."""
 
     def error(self, stage: str, kind: str) -> None: ...
 

@@ -335,7 +335,7 @@ class Orchestrator:
             decision = self.cost_model.decide(
                 n, load, cached_local=cached[DECODE], cached_remote=cached[PREFILL]
             )
-            self.events.decision(decision.remote, decision.reason)
+            self.events.decision(decision.remote, decision.reason, self.cost_model.estimates())
             log.debug("request %s: %s", req.request_id, decision.explain())
             if not decision.remote:
                 run.served_by = COLOCATED

@@ -177,6 +177,7 @@ class OrchestratorMetrics:
         self.kv_skipped = Family(M.KV_SKIPPED_BYTES, **f)
         self.kv_misses = Family(M.KV_PREFIX_MISSES, **f)
         self.decisions = Family(M.DECISIONS, **f)
+        self.estimate = Family(M.CONDITIONAL_ESTIMATE, **f)
         self.prefill_queue = Family(M.PREFILL_QUEUE_TOKENS, **f)
         self.cached = Family(M.CACHED_TOKENS, **f)
 
@@ -208,8 +209,10 @@ class OrchestratorMetrics:
     def kv_prefix_miss(self) -> None:
         self.kv_misses.inc()
 
-    def decision(self, remote: bool, reason: str) -> None:
+    def decision(self, remote: bool, reason: str, estimates: Mapping[str, float]) -> None:
         self.decisions.inc(prefill="remote" if remote else "local", reason=reason)
+        for name, value in estimates.items():
+            self.estimate.set(value, estimate=name)
 
     def error(self, stage: str, kind: str) -> None:
         self.errors.inc(stage=stage, kind=kind)
