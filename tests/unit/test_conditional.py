@@ -249,3 +249,39 @@ def test_decodes_first_long_prefill_moves_the_estimate_from_the_pools_speed_not_
     model.observe_local_prefill(1600, 8.0, beside=4)
     d = model.decide(1600, Load(0, 4))
     assert d.local_prefill_s == pytest.approx(d.remote_prefill_s, rel=0.01)
+
+
+def test_prompts_decode_is_prefilling_are_a_queue_for_the_next_local_one():
+    """Sixteen prompts arriving together, all prefilled by decode: the next one would wait
+    for them locally as it would for the pool's queue remotely."""
+    model = CostModel(CostParams(prefill_s_per_token=1e-3, remote_stall=0.0))
+    alone = model.decide(150, Load(0, 2))
+    queued = model.decide(150, Load(0, 2, local_queue_tokens=15 * 150))
+    assert queued.local_cost_s == pytest.approx(alone.local_cost_s + 15 * 150 * 1e-3)
+    assert queued.remote_cost_s == pytest.approx(alone.remote_cost_s)
+
+
+def test_waiting_behind_other_local_prompts_is_not_learned_as_a_fixed_cost():
+    """The 8th prompt of a burst took 1.2 s to its first token, 1.05 s of it behind 7 others:
+    what is left is this prompt's own, and only that teaches the fixed cost."""
+    model = CostModel(CostParams(prefill_s_per_token=1e-3, learn_rate=1.0))
+    model.observe_local_prefill(150, 1.2, beside=3, ahead_tokens=7 * 150)
+    assert model.local_fixed_s == pytest.approx(1.2 - 7 * 150e-3 - 150e-3)
+    blind = CostModel(CostParams(prefill_s_per_token=1e-3, learn_rate=1.0))
+    blind.observe_local_prefill(150, 1.2, beside=3)
+    assert blind.local_fixed_s > 5 * model.local_fixed_s
+
+
+def test_the_tracker_counts_local_prefills_until_their_first_token():
+    tracker = LoadTracker()
+    first = tracker.local_prefill(100)
+    with tracker.local_prefill(50) as second:
+        assert second.ahead == 100 and tracker.snapshot().local_queue_tokens == 150
+        second.done()
+        assert tracker.snapshot().local_queue_tokens == 100
+    first.done()
+    first.done()  # idempotent: the stream's end after its first token takes nothing twice
+    assert tracker.snapshot().local_queue_tokens == 0
+    with pytest.raises(RuntimeError), tracker.local_prefill(70):
+        raise RuntimeError("decode failed before the first token")
+    assert tracker.snapshot().local_queue_tokens == 0

@@ -236,6 +236,7 @@ def test_conditional_mode_follows_its_cost_model(tokenizer, args):
     # the estimates it was decided with (the hand-off it then saw moved one of them since)
     assert events.estimates.keys() == o.cost_model.estimates().keys()
     assert events.estimates["remote_stall"] == o.cost_model.remote_stall
+    assert o.load.snapshot().local_queue_tokens == 0  # the local prefill's first token came
 
 
 def test_conditional_mode_sends_a_prompt_where_its_prefix_is_cached(tokenizer, args):

@@ -3,11 +3,12 @@ the decode pool prefill it itself? No Triton here.
 
 The choices differ in how fast the prefill runs and in who waits for it:
 
-    local  (decode prefills):  the request waits for its prefill, and every sequence decoding
+    local  (decode prefills):  the request waits for the prompts decode is already
+                               prefilling, then for its prefill, and every sequence decoding
                                in that engine waits for its compute: with chunked prefill the
                                stall is spread over its steps (a chunk per step) but adds up
                                the same.
-        local_cost  = P_local + A * C_local
+        local_cost  = Q_local + P_local + A * C_local
     remote (prefill pool):     the request waits for the prefill pool's queue, its prefill and
                                the KV hand-off; decoding sequences go on, slowed only as far as
                                the prefill pool shares their hardware (`remote_stall`: 0 on
@@ -25,6 +26,8 @@ The choices differ in how fast the prefill runs and in who waits for it:
     A = sequences this orchestrator has in decode now
     Q = (prompt tokens queued at the prefill pool x its seconds per token + prompts queued
         there x F_remote) / prefill instances
+    Q_local = prompt tokens decode is prefilling for this orchestrator (sent, no first token
+        yet) x decode's seconds per token
     H = hand-off fixed cost + prompt tokens x hand-off seconds per token   (per token: learned)
 
 Each side's prefill time is learned as a fixed cost F (from prompts shorter than
@@ -100,6 +103,9 @@ class Load:
     prefill_queue_tokens: int  # prompt tokens sent to the prefill pool and not yet back
     decode_active: int  # sequences this orchestrator has in the decode pool
     prefill_queue_requests: int = 0  # the prompts those tokens belong to
+    # prompt tokens decode is prefilling itself for this orchestrator, first token not yet
+    # back: a prompt prefilled locally waits for them as a remote one waits for the pool's
+    local_queue_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,7 +170,7 @@ class CostModel:
             queued = load.prefill_queue_tokens * remote_spt
             queued += load.prefill_queue_requests * self.remote_fixed_s
         queue = queued / p.prefill_instances
-        local = p_local + load.decode_active * c_local
+        local = load.local_queue_tokens * local_spt + p_local + load.decode_active * c_local
         remote = queue + p_remote + handoff + load.decode_active * c_remote * stall
         if remote < local:
             reason = PROTECT_DECODE
@@ -201,11 +207,19 @@ class CostModel:
                     self.remote_fixed_s, self.remote_s_per_token, num_tokens, compute_s
                 )
 
-    def observe_local_prefill(self, num_tokens: int, seconds: float, beside: int = 1) -> None:
+    def observe_local_prefill(
+        self, num_tokens: int, seconds: float, beside: int = 1, ahead_tokens: int = 0
+    ) -> None:
         """A prompt decode prefilled itself while `beside` other sequences decoded: request
-        sent -> first token (which includes waiting for decode's current step)."""
+        sent -> first token (which includes waiting for decode's current step), with
+        `ahead_tokens` of other prompts decode was prefilling for us when it was sent: the
+        wait for those is load, decided on as such (Load.local_queue_tokens), and is taken
+        out here, or a burst's queueing would be learned as every prompt's fixed cost."""
         if num_tokens > 0 and seconds > 0 and beside > 0:
             with self._lock:
+                if ahead_tokens > 0:
+                    spt = self.local_s_per_token if self.local_learned else self.remote_s_per_token
+                    seconds = max(seconds - ahead_tokens * spt, 0.0)
                 if not self.local_learned:  # from what decisions assumed, not the prior
                     self.local_s_per_token = self.remote_s_per_token
                 self.local_fixed_s, self.local_s_per_token = self._learn(
@@ -249,6 +263,7 @@ class LoadTracker:
         self._lock = threading.Lock()
         self.prefill_queue_tokens = 0
         self.prefill_queue_requests = 0
+        self.local_queue_tokens = 0
         self.decode_active = 0
         self.on_change = on_change
 
@@ -257,7 +272,24 @@ class LoadTracker:
             return self._load()
 
     def _load(self) -> Load:
-        return Load(self.prefill_queue_tokens, self.decode_active, self.prefill_queue_requests)
+        return Load(
+            self.prefill_queue_tokens,
+            self.decode_active,
+            self.prefill_queue_requests,
+            self.local_queue_tokens,
+        )
+
+    def local_prefill(self, num_tokens: int) -> LocalPrefill:
+        """A prompt of `num_tokens` decode prefills itself, counted as waiting until its
+        first token comes (`LocalPrefill.done`) or it ends without one (leaving the block)."""
+        with self._lock:
+            ahead = self.local_queue_tokens
+            self.local_queue_tokens += num_tokens
+        return LocalPrefill(self, num_tokens, ahead)
+
+    def _local_done(self, num_tokens: int) -> None:
+        with self._lock:
+            self.local_queue_tokens -= num_tokens
 
     def add_prefill(self, num_tokens: int) -> None:
         """A prompt of `num_tokens` sent to the prefill pool (negative: back from it)."""
@@ -271,3 +303,22 @@ class LoadTracker:
     def add_decode(self, n: int) -> None:
         with self._lock:
             self.decode_active += n
+
+
+class LocalPrefill:
+    """One prompt in LoadTracker.local_queue_tokens; `ahead`: the tokens before it."""
+
+    def __init__(self, tracker: LoadTracker, num_tokens: int, ahead: int) -> None:
+        self.tracker, self.num_tokens, self.ahead = tracker, num_tokens, ahead
+
+    def done(self) -> None:
+        """Its first token came (idempotent)."""
+        n, self.num_tokens = self.num_tokens, 0
+        if n:
+            self.tracker._local_done(n)
+
+    def __enter__(self) -> LocalPrefill:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()

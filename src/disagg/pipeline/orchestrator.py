@@ -265,29 +265,37 @@ class Orchestrator:
         current, handoff = run.current, run.handoff
         finish: str | None = None
         sent = time.perf_counter()
-        for step in steps:
-            if not run.decode_pid and handoff is not None:  # decode's acknowledgement
-                self._handoff_done(run, handoff, time.perf_counter() - sent)
-            run.decode_pid = step.worker_pid
-            if step.num_cached_tokens and run.current is run.request:  # decode prefilled it
-                run.num_cached_tokens = step.num_cached_tokens
-            if step.token_ids and handoff is None and run.last_token_s is None:
-                # decode prefilled this prompt itself: how fast it does that, for the cost model
-                self.cost_model.observe_local_prefill(
-                    len(current.prompt_ids), time.perf_counter() - sent, run.decode_beside
-                )
-            if step.token_ids:
-                self._token_times(run, len(step.token_ids))
-            if finish is None:  # after a stop string or a cancel, drain without adding text
-                self._add_tokens(run, step.token_ids, step.logprobs)
-                if run.text.stopped:
-                    finish = FinishReason.STOP.value
-                    self.decode_pool.cancel(current.request_id)
-                elif run.is_cancelled():
-                    finish = FinishReason.ABORT.value
-                    self.decode_pool.cancel(current.request_id)
-            if step.finish_reason is not None:
-                finish = finish or step.finish_reason
+        # a prompt decode prefills itself: the next ones decode prefills wait for it (the cost
+        # model's Q_local) until its first token
+        local = self.load.local_prefill(len(current.prompt_ids) if handoff is None else 0)
+        with local:
+            for step in steps:
+                if not run.decode_pid and handoff is not None:  # decode's acknowledgement
+                    self._handoff_done(run, handoff, time.perf_counter() - sent)
+                run.decode_pid = step.worker_pid
+                if step.num_cached_tokens and run.current is run.request:  # decode prefilled it
+                    run.num_cached_tokens = step.num_cached_tokens
+                if step.token_ids and handoff is None and run.last_token_s is None:
+                    # decode prefilled this prompt itself: how fast, for the cost model
+                    self.cost_model.observe_local_prefill(
+                        len(current.prompt_ids),
+                        time.perf_counter() - sent,
+                        run.decode_beside,
+                        local.ahead,
+                    )
+                if step.token_ids:
+                    local.done()
+                    self._token_times(run, len(step.token_ids))
+                if finish is None:  # after a stop string or a cancel, drain without adding text
+                    self._add_tokens(run, step.token_ids, step.logprobs)
+                    if run.text.stopped:
+                        finish = FinishReason.STOP.value
+                        self.decode_pool.cancel(current.request_id)
+                    elif run.is_cancelled():
+                        finish = FinishReason.ABORT.value
+                        self.decode_pool.cancel(current.request_id)
+                if step.finish_reason is not None:
+                    finish = finish or step.finish_reason
         if finish is None:
             raise PoolError("decode stream ended without a finish reason")
         return finish

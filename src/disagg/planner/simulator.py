@@ -33,7 +33,7 @@ from disagg.bench.workloads import RequestSpec
 from disagg.contracts import COLOCATED, CONDITIONAL, DISAGGREGATED, error_kind_of
 from disagg.engine.sequence import SamplingParams, TokenLogprob
 from disagg.errors import DisaggError
-from disagg.pipeline.conditional import CostModel, CostParams, LoadTracker
+from disagg.pipeline.conditional import CostModel, CostParams, LoadTracker, LocalPrefill
 from disagg.planner.clock import EventLoop, Node
 from disagg.planner.decode_sim import SimHandoff
 from disagg.planner.pools import SimDecodeReplica, SimPrefillReplica
@@ -90,6 +90,7 @@ class _Run:
     decode_beside: int = 0  # sequences decoding when it was (RequestRun.decode_beside)
     last_token_s: float | None = None
     release: Callable[[], None] = lambda: None  # its decode replica's outstanding count
+    local: LocalPrefill | None = None  # prefilled by decode: waiting for its first token
     done: Callable[[], None] = lambda: None
 
 
@@ -259,6 +260,8 @@ class Simulator:
         spec = run.spec
         replica, run.release = self.decode.choose()
         run.sent_s = self.loop.now
+        if run.handoff is None:  # (the orchestrator's Q_local)
+            run.local = self.load.local_prefill(spec.prompt_tokens)
         params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True)
         try:
             replica.submit(
@@ -274,9 +277,12 @@ class Simulator:
 
     def _received(self, run: _Run, num_tokens: int, finish_reason: str | None) -> None:
         if num_tokens and run.handoff is None and run.last_token_s is None:
+            ahead = run.local.ahead if run.local else 0
             self.cost_model.observe_local_prefill(
-                run.spec.prompt_tokens, self.loop.now - run.sent_s, run.decode_beside
+                run.spec.prompt_tokens, self.loop.now - run.sent_s, run.decode_beside, ahead
             )
+        if num_tokens and run.local is not None:
+            run.local.done()
         if num_tokens:
             self._token_times(run, num_tokens)
         if finish_reason is not None:
@@ -298,5 +304,7 @@ class Simulator:
     def _finish(self, run: _Run) -> None:
         run.timeline.end_s = self.loop.now
         run.release()
+        if run.local is not None:
+            run.local.done()
         self.load.add_decode(-1)
         run.done()
