@@ -84,6 +84,7 @@ class DecodeParams(TrtllmDecodeParams):
     device: str
     max_tokens_limit: int
     decode_prefill_chunk: int
+    decode_burst_tokens: int
     decode_stream_interval: int
     decode_torch_threads: int
     decode_one_pool: bool
@@ -100,6 +101,7 @@ class DecodeParams(TrtllmDecodeParams):
             max_num_seqs=self.decode_max_num_seqs,
             prefault_kv=True,
             prefill_chunk_tokens=self.decode_prefill_chunk,
+            burst_prefill_tokens=self.decode_burst_tokens,
             prefix_cache_tokens=self.prefix_cache_tokens,
         )
 

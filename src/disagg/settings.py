@@ -5,11 +5,10 @@ DISAGG_<SETTING> (e.g. DISAGG_PREFILL_INSTANCES=2). Secrets are never settings: 
 comes from DISAGG_ADMIN_KEY only.
 
 Settings come in groups (GROUPS: server, pools, tensorrt_llm, cluster, gateway, paths); a TOML
-file may set them at top level or in a table named by their group (`[pools] prefill_instances =
-2`).
-Names stay flat and unique, so a setting has one name everywhere: here, in DISAGG_<SETTING>,
-and as the parameter of each model's config.pbtxt that carries it, which `ModelParams`
-parses with the same rules into the same type.
+file may set them at top level or in a table named by their group (`[pools]`). Names stay flat
+and unique, so a setting has one name everywhere: here, in DISAGG_<SETTING>, and as the
+parameter of each model's config.pbtxt that carries it, which `ModelParams` parses with the
+same rules into the same type.
 """
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ class ServeSettings:
     recycle_thread_growth: float = 0.5
     recycle_drain_s: float = 120.0
     startup_timeout_s: float = 0.0  # serve's wait for READY (0: by engine, startup_budget_s)
-    # on SIGTERM, in-flight requests get this long to finish before the server exits (new
-    # ones are refused at once); keep it under Kubernetes' terminationGracePeriodSeconds
+    # on SIGTERM, in-flight requests get this long to finish (new ones refused at once)
     drain_s: float = 10.0
     log_verbose: int = 0
     # the CPU cores tritonserver and every model process of it run on ("0", "2-3", "0,2");
@@ -71,8 +69,11 @@ class ServeSettings:
     tokenizer_instances: int = 1
     decode_max_num_seqs: int = 16  # continuous batch size of one decode instance
     # prompt tokens a decode instance prefills itself per step (co-located, fallback,
-    # migration), beside its running batch; a longer prompt takes several steps
+    # migration), beside its running batch; a longer prompt takes several steps; while more
+    # prompts wait than sequences decode, up to decode_burst_tokens a step (lower: earlier
+    # first tokens, slower running streams; docs/benchmarks.md)
     decode_prefill_chunk: int = 64  # benchmarks/itl_bench.py: p99 ITL <= 2x p50 under long prompts
+    decode_burst_tokens: int = 2048
     # under load (over half of decode_max_num_seqs running) each response carries this many
     # tokens, sent every this many steps; otherwise every token goes out as it is made
     decode_stream_interval: int = 4  # 2 -> 4: chat loop served 1.14x (docs/benchmarks.md)

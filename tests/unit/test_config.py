@@ -34,7 +34,14 @@ def test_engine_config_defaults_budget_from_batch_and_length():
 
 
 @pytest.mark.parametrize(
-    "kw", [{"max_num_seqs": 0}, {"block_size": -1}, {"max_queue": 1.5}, {"max_model_len": True}]
+    "kw",
+    [
+        {"max_num_seqs": 0},
+        {"block_size": -1},
+        {"max_queue": 1.5},
+        {"max_model_len": True},
+        {"burst_prefill_tokens": 0},  # a burst would never be prefilled: refused, not a hang
+    ],
 )
 def test_bad_engine_config_fails_loudly(kw):
     with pytest.raises(ConfigError):

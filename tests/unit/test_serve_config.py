@@ -254,6 +254,21 @@ def test_model_parameters_are_typed_and_named_as_settings(rendered):
         _ = decode.mode
 
 
+def test_decode_step_budgets_reach_the_engine_from_the_environment(tmp_path):
+    """DISAGG_DECODE_PREFILL_CHUNK and DISAGG_DECODE_BURST_TOKENS set decode's per-step
+    prompt budgets (beside a batch, and in a burst): rendered, read back, in the engine."""
+    from disagg.model_params import ModelParams
+
+    env = {"DISAGG_DECODE_PREFILL_CHUNK": "32", "DISAGG_DECODE_BURST_TOKENS": "512"}
+    values = template_values(ServeSettings.load(env=env), tmp_path / "run")
+    repo = render_repositories(values, tmp_path / "repo")
+    cfg = next(c for r in repo for c in r.glob("decode/config.pbtxt"))
+    parsed = text_format.Parse(cfg.read_text(), model_config_pb2.ModelConfig())
+    raw = {k: v.string_value for k, v in parsed.parameters.items()}
+    config = ModelParams(raw, "decode").typed(DecodeParams).engine_config()
+    assert (config.prefill_chunk_tokens, config.burst_prefill_tokens) == (32, 512)
+
+
 MODEL_PARAMS = {
     "tokenizer": TokenizerParams,
     "prefill": PrefillParams,

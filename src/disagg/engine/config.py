@@ -135,6 +135,8 @@ class EngineConfig:
                 raise ConfigError(f"{f.name} must be a non-negative integer, got {value!r}")
         if self.prefill_chunk_tokens < 16:
             raise ConfigError("prefill_chunk_tokens must be at least 16")
+        if self.burst_prefill_tokens < 16:  # (0 would never prefill a burst: a hang)
+            raise ConfigError("burst_prefill_tokens must be at least 16")
         if self.max_num_seqs < 1 or self.max_model_len < 2 or self.block_size < 1:
             raise ConfigError("max_num_seqs >= 1, max_model_len >= 2 and block_size >= 1 required")
         if self.num_kv_blocks == 0:

@@ -114,6 +114,7 @@ class Topology:
             mode if mode in (COLOCATED, DISAGGREGATED, CONDITIONAL) else CONDITIONAL,
             num_prefill=s.prefill_instances, num_decode=s.decode_instances,
             max_num_seqs=s.decode_max_num_seqs, prefill_chunk=s.decode_prefill_chunk,
+            burst_prefill_tokens=s.decode_burst_tokens,
             max_model_len=s.max_model_len, stream_interval=s.decode_stream_interval,
             shared=shared, remote_stall=s.conditional_remote_stall if shared else None,
         )  # fmt: skip

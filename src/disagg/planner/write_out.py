@@ -28,6 +28,7 @@ def settings(t: Topology) -> dict[str, object]:
         "mode": t.mode,
         "decode_max_num_seqs": t.max_num_seqs,
         "decode_prefill_chunk": t.prefill_chunk,
+        "decode_burst_tokens": t.burst_prefill_tokens,
         "decode_stream_interval": t.stream_interval,
         "max_model_len": t.max_model_len,
     }
