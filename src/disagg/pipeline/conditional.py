@@ -160,7 +160,7 @@ class CostModel:
         p = self.params
         with self._lock:
             remote_spt = self.remote_s_per_token
-            local_spt = self.local_s_per_token if self.local_learned else remote_spt
+            local_spt = self._local_spt()
             stall = self.remote_stall
             moved = max(num_prompt_tokens - cached_local, 1)  # decode holds the rest
             handoff = self.handoff_fixed_s + moved * self.handoff_s_per_token
@@ -189,7 +189,7 @@ class CostModel:
     def estimates(self) -> dict[str, float]:
         """What decisions are made with now (the metrics' `estimate` labels)."""
         with self._lock:
-            local = self.local_s_per_token if self.local_learned else self.remote_s_per_token
+            local = self._local_spt()
             return {
                 "remote_stall": self.remote_stall,
                 "local_prefill_s_per_token": local,
@@ -218,8 +218,7 @@ class CostModel:
         if num_tokens > 0 and seconds > 0 and beside > 0:
             with self._lock:
                 if ahead_tokens > 0:
-                    spt = self.local_s_per_token if self.local_learned else self.remote_s_per_token
-                    seconds = max(seconds - ahead_tokens * spt, 0.0)
+                    seconds = max(seconds - ahead_tokens * self._local_spt(), 0.0)
                 if not self.local_learned:  # from what decisions assumed, not the prior
                     self.local_s_per_token = self.remote_s_per_token
                 self.local_fixed_s, self.local_s_per_token = self._learn(
@@ -249,6 +248,11 @@ class CostModel:
             if len(gaps) % 8 == 0 and min(len(idle), len(busy)) >= self.params.min_gaps:
                 g, g_busy = statistics.median(idle), statistics.median(busy)
                 self.remote_stall = min(max(1 - g / g_busy, 0.0), 1.0) if g_busy > 0 else 0.0
+
+    def _local_spt(self) -> float:
+        """Decode's prefill seconds per token as decisions take it: the pool's until decode
+        has prefilled a long prompt beside others (the caller holds the lock)."""
+        return self.local_s_per_token if self.local_learned else self.remote_s_per_token
 
     def _mix(self, old: float, new: float) -> float:
         return (1 - self.params.learn_rate) * old + self.params.learn_rate * new
