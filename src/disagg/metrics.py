@@ -251,6 +251,12 @@ DECODE_STEPS = _m(
     "Decode steps run (each produces one token per running sequence)",
     ("model", "instance"),
 )
+DECODE_SHARED_STEPS = _m(
+    "disagg_decode_shared_steps_total",
+    COUNTER,
+    "Decode steps run on one thread because a prefill computed on the same CPU cores",
+    ("model", "instance"),
+)
 
 # ------------------------------------------------------------------ prefix caches (each pool)
 # hit rate = hit / queried tokens; the pool label is prefill or decode

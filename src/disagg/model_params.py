@@ -44,6 +44,7 @@ class PrefillParams(TrtllmPrefillParams):
     max_tokens_limit: int
     prefill_torch_threads: int
     prefill_nice: int  # this process's CPU niceness (0: as started)
+    cores_shared: bool  # holds engine/cpu_share.py's lock while it computes
     # payloads leased for decode servers elsewhere to pull (triton/pools.py KVLeaseServer)
     kv_pull: bool
     host: str
@@ -88,6 +89,7 @@ class DecodeParams(TrtllmDecodeParams):
     decode_stream_interval: int
     decode_torch_threads: int
     decode_one_pool: bool
+    cores_shared: bool  # a prefill pool computes on its cores (engine/cpu_share.py)
     run_dir: str
     prefix_cache_tokens: int
     host: str  # where its KV events are published (kv_events_port; 0: none)
@@ -156,6 +158,7 @@ MODEL_ONLY_PARAMETERS = {
     "decode_model": "str",
     "kv_pull": "bool",  # ServeSettings.kv_pull
     "decode_one_pool": "bool",  # prefill_yield.decode_one_pool
+    "cores_shared": "bool",  # prefill_yield.shares_cores
 }
 Params = TypeVar("Params", bound="DataclassInstance")
 

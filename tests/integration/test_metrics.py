@@ -114,6 +114,7 @@ def test_busy_decode_sends_a_long_prompt_to_the_prefill_pool_and_counts_its_kv(
         "prefill": {"name": "disagg_prefill_seconds_count", "labels": {"pool": "prefill"}},
         "queue": {"name": "disagg_queue_seconds_count", "labels": {"pool": "prefill"}},
         "ttft": {"name": "disagg_ttft_seconds_count", "labels": {"served_by": "disaggregated"}},
+        "shared": {"name": "disagg_decode_shared_steps_total"},
     }
     before = snapshot(server, names)
     # decode stays busy until both long prompts are decided: a stream long enough to outlast
@@ -145,6 +146,9 @@ def test_busy_decode_sends_a_long_prompt_to_the_prefill_pool_and_counts_its_kv(
         # the metric counts the payloads (K/V + header), which went through /dev/shm files:
         # the first whole, a second only what decode's prefix cache lacked
         assert 700 * per_token <= delta["kv_bytes"] < n * (700 * per_token + 4096)
+        # the stream stepped on one thread while the prefill process computed beside it on
+        # this server's cores (engine/cpu_share.py)
+        assert delta["shared"] >= 1
 
     per_token, n = load_model_args(engine_dir).kv_bytes_per_token, len(remote)
     eventually(check)
@@ -166,9 +170,12 @@ def test_refused_requests_are_counted_by_kind(server, http):
 
 def test_decode_steps_counter_follows_tokens(server, http):
     before = metric(server, "disagg_decode_steps_total")
+    shared = metric(server, "disagg_decode_shared_steps_total")
     run(http, [1, 2, 3], 6)
     # alone in decode, prefilled there: the step that prefills also decodes the second token
     eventually(lambda: _equal(metric(server, "disagg_decode_steps_total") - before, 6 - 1))
+    # no prefill computed beside it: every step had every thread
+    assert metric(server, "disagg_decode_shared_steps_total") == shared
 
 
 def _equal(a, b) -> None:

@@ -84,6 +84,29 @@ def test_the_acknowledgement_always_comes_first_and_nothing_after_the_final():
         service.stop()
 
 
+def test_before_step_runs_on_the_loop_thread_before_every_step():
+    engine, calls = InstantEngine(), []
+    stepped = engine.step
+
+    def step():
+        calls.append(("step", threading.current_thread().name))
+        return stepped()
+
+    engine.step = step
+    before = lambda: calls.append(("before", threading.current_thread().name))  # noqa: E731
+    service = DecodeService(engine, before_step=before).start()
+    try:
+        for i in range(3):
+            sink = OrderSink()
+            service.submit(f"r{i}", SamplingParams(max_tokens=1), sink, prompt_ids=[1])
+            assert sink.done.wait(5)
+    finally:
+        service.stop()
+    assert calls and len(calls) % 2 == 0
+    assert calls[0::2] == [("before", "decode-loop")] * (len(calls) // 2)
+    assert calls[1::2] == [("step", "decode-loop")] * (len(calls) // 2)
+
+
 def test_a_refused_request_was_acknowledged_then_raises():
     service = DecodeService(InstantEngine(capacity=0)).start()
     try:

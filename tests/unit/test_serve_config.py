@@ -113,8 +113,8 @@ def test_prefill_yields_shared_cores_only_where_conditional_runs_both_pools_on_o
 @pytest.mark.parametrize(
     "settings, one_pool",
     [
-        ({}, False),  # auto -> conditional: a prefill pool on decode's cores
-        ({"mode": "disaggregated"}, False),
+        ({}, True),  # auto -> conditional: decode yields to its prefill (cpu_share.py)
+        ({"mode": "disaggregated"}, False),  # every prompt on the prefill pool's threads
         ({"mode": "colocated"}, True),  # decode prefills its own: the cores are its
         ({"mode": "colocated", "decode_instances": 2}, False),  # two engines share them
         ({"role": "decode"}, True),
@@ -126,6 +126,24 @@ def test_decode_keeps_one_openmp_pool_only_where_no_other_engine_shares_its_core
 ):
     values = template_values(ServeSettings(**settings), tmp_path)
     assert values["decode_one_pool"] == str(one_pool).lower()
+
+
+@pytest.mark.parametrize(
+    "settings, shared",
+    [
+        ({}, True),  # auto -> conditional on one CPU server
+        ({"mode": "conditional"}, True),
+        ({"mode": "disaggregated"}, False),
+        ({"mode": "colocated"}, False),  # no prefill pool here
+        ({"prefill_replicas": "h:1"}, False),  # prefill has servers of its own
+        ({"engine_backend": "tensorrt_llm"}, False),
+    ],
+)  # fmt: skip
+def test_decode_yields_to_its_prefill_only_where_conditional_shares_the_cpu(
+    tmp_path, settings, shared
+):
+    values = template_values(ServeSettings(**settings), tmp_path)
+    assert values["cores_shared"] == str(shared).lower()
 
 
 def test_compute_dtype_defaults_to_auto_and_refuses_others():

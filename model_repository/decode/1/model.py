@@ -8,7 +8,7 @@ from pathlib import Path
 from disagg import contracts as C
 from disagg import heartbeat
 from disagg.cancel import CancelRegistry
-from disagg.engine import omp
+from disagg.engine import cpu_share, omp
 from disagg.engine.config import load_model_args
 from disagg.engine.llm_engine import DecodeEngine
 from disagg.engine.model import Llama
@@ -23,6 +23,7 @@ class TritonPythonModel:
         pb.configure_logging()
         p = pb.model_parameters(args).typed(DecodeParams)
         self.one_pool = False
+        self.threads = None
         self.metrics = pb_metrics.DecodeMetrics(args["model_name"], args["model_instance_name"])
         if p.engine_backend == "tensorrt_llm":
             from disagg.trtllm.runtime import decode_engine
@@ -30,10 +31,16 @@ class TritonPythonModel:
             engine = decode_engine(p)  # same DecodeEngine interface, TensorRT-LLM underneath
         else:
             pb.set_torch_threads(p.decode_torch_threads)
-            # with decode's cores its own, the engine loop's OpenMP pool alone: its workers
-            # spin between parallel regions; beside a prefill pool, a second pool (this
-            # thread's) makes them sleep at once and leave it the cores (engine/omp.py)
+            # the engine loop's OpenMP pool alone: its workers spin between parallel regions
+            # (engine/omp.py); beside conditional mode's prefill pool, its steps run on one
+            # thread while a prefill computes (engine/cpu_share.py); where another engine
+            # shares the cores otherwise, a second pool (this thread's) makes them sleep
             self.one_pool = p.decode_one_pool
+            if p.cores_shared and self.one_pool:
+                self.threads = cpu_share.DecodeThreads(
+                    cpu_share.PrefillActivity(p.run_dir),
+                    on_shared_step=self.metrics.on_shared_step,
+                )
             if self.one_pool:
                 omp.serial_here()
             else:
@@ -55,6 +62,7 @@ class TritonPythonModel:
             engine,
             cancels,
             on_step=self._on_step,
+            before_step=self.threads.before_step if self.threads is not None else None,
             stream_interval=p.decode_stream_interval,
             batch_slots=p.decode_max_num_seqs,
         ).start()

@@ -4,6 +4,7 @@ engine_backend "pytorch": disagg's engine, the payload is the prompt's K/V. "ten
 a context_only request, the payload is the serialised DisaggregatedParams (the K/V itself
 moves through TensorRT-LLM's cache transceiver)."""
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import numpy as np
 
 from disagg import heartbeat, kvshm
 from disagg.cancel import CancelRegistry
+from disagg.engine import cpu_share
 from disagg.engine.llm_engine import PrefillEngine
 from disagg.engine.model import Llama
 from disagg.engine.sequence import SamplingParams
@@ -29,12 +31,15 @@ class TritonPythonModel:
         self.cancels = CancelRegistry(Path(p.run_dir) / "cancel")
         self.metrics = pb_metrics.PrefillMetrics(args["model_instance_name"])
         self.trtllm = None
+        self.activity = None
         if p.engine_backend == "tensorrt_llm":
             from disagg.trtllm.runtime import prefill_engine
 
             self.trtllm = prefill_engine(p)
             heartbeat.start(Path(p.run_dir) / "heartbeat")  # last, as below
             return
+        # decode on the same cores steps on one thread while this computes (cpu_share.py)
+        self.activity = cpu_share.PrefillActivity(p.run_dir) if p.cores_shared else None
         pb.set_nice(p.prefill_nice)  # before torch makes its threads (they inherit it)
         pb.set_torch_threads(p.prefill_torch_threads)
         self.engine = PrefillEngine(
@@ -60,7 +65,7 @@ class TritonPythonModel:
         heartbeat.start(Path(p.run_dir) / "heartbeat")  # last: a stub still loading is not judged
 
     def finalize(self):
-        for server in (getattr(self, n, None) for n in ("kv", "kv_events", "shm")):
+        for server in (getattr(self, n, None) for n in ("kv", "kv_events", "shm", "activity")):
             if server is not None:
                 server.close()
         pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)
@@ -104,7 +109,8 @@ class TritonPythonModel:
                 result, handoff = self.trtllm.prefill(rid, prompt, params, cancelled)
                 payload = np.frombuffer(to_bytes(handoff), np.uint8)
             else:
-                result = self.engine.prefill(rid, prompt, params, call.skip_tokens, cancelled)
+                with self.activity.computing() if self.activity else contextlib.nullcontext():
+                    result = self.engine.prefill(rid, prompt, params, call.skip_tokens, cancelled)
                 kv_start = result.kv.start
                 if self.engine.kv_reuse is not None:
                     self.prefix_metrics.update(self.engine.kv_reuse.index.stats)

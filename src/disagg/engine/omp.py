@@ -14,9 +14,11 @@ loop thread took 11 ms where it took 7-8 ms with one pool. `serial_here()` on Tr
 thread keeps that thread from ever making a pool; the loop thread keeps torch's count.
 
 Spinning is not free where other processes compute on the same cores: a spinning worker
-takes CPU they would use. Beside a prefill pool, decode is better served by workers that
-sleep at once, and `pool_here()` makes the second pool that has libgomp throttle them
-(prefill_yield.decode_one_pool decides; docs/benchmarks.md has both sides' figures)."""
+takes CPU they would use. Where another engine process computes on them, decode either
+keeps one pool and steps on one thread while that process computes (engine/cpu_share.py,
+conditional mode's prefill pool), or has workers that sleep at once: `pool_here()` makes the
+second pool that has libgomp throttle them (prefill_yield.decode_one_pool decides;
+docs/benchmarks.md has the figures)."""
 
 from __future__ import annotations
 

@@ -133,6 +133,7 @@ class DecodeService:
         # keep a cancel's wasted steps few and were 2.6% of a loaded step at 20 a second
         cancel_check_interval_s: float = 0.25,
         on_step: Callable[[DecodeStats], None] | None = None,
+        before_step: Callable[[], None] | None = None,
         stuck_send_s: float = 5.0,  # a healthy send takes well under a millisecond
         on_stuck: Callable[[float], None] = _exit_process,
         stream_interval: int = 1,
@@ -147,6 +148,7 @@ class DecodeService:
         self.stream_interval = stream_interval
         self.batch_slots = batch_slots
         self.on_step = on_step  # called with engine.stats() after every step (metrics)
+        self.before_step = before_step  # on the loop thread (engine/cpu_share.py)
         self.cancels = cancels
         self.cancel_check_interval_s = cancel_check_interval_s
         self.stuck_send_s = stuck_send_s
@@ -225,6 +227,8 @@ class DecodeService:
                 if self._stopped:
                     return
             try:
+                if self.before_step is not None:
+                    self.before_step()
                 outputs = self.engine.step()
             except Exception as e:  # an engine bug or a broken model: fatal, and visible
                 log.exception("decode engine died")

@@ -322,9 +322,14 @@ class DecodeMetrics:
             Family(M.DECODE_KV_CAPACITY, **f),
             Family(M.DECODE_STEPS, **f),
         )
+        self.shared_steps = Family(M.DECODE_SHARED_STEPS, **f)
         self.queue, self.prefill_s = Family(M.QUEUE), Family(M.PREFILL)
         self.prefix = PrefixCacheMetrics("decode", instance)
         self.last_steps = 0
+
+    def on_shared_step(self) -> None:
+        """A step run on one thread beside a computing prefill (engine/cpu_share.py)."""
+        self.shared_steps.inc(1)
 
     def on_step(self, stats: DecodeStats) -> None:
         """Gauges from the engine's stats(); a figure the engine does not know is left out."""
