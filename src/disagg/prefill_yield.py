@@ -1,17 +1,18 @@
 """How much of a shared CPU the prefill processes take: their torch threads and niceness; and
 whether decode's process runs one OpenMP pool (engine/omp.py).
 
-Where conditional mode runs both pools in one CPU server, a prefill sent to the prefill pool
-computes on the cores decode steps on. With torch's default threads at the same priority,
-each of the prefill's parallel regions waits whenever decode preempts one of its threads,
-and decode's steps wait on the prefill likewise. One prefill thread at nice 10 takes what
-decode leaves and never waits on a thread of its own. Measured on 2 cores
+Where conditional or disaggregated mode runs both pools in one CPU server, a prefill sent to
+the prefill pool computes on the cores decode steps on. With torch's default threads at the
+same priority, each of the prefill's parallel regions waits whenever decode preempts one of
+its threads, and decode's steps wait on the prefill likewise. One prefill thread at nice 10
+takes what decode leaves and never waits on a thread of its own. Measured on 2 cores
 (docs/benchmarks.md, "the token rhythm"): four streams ran 4x faster while 1,600-token
 prompts arrived (74.7 against 17.6 tok/s), ITL p99/p50 2.36 against 1.62 (target <= 3), the
-long prompts' TTFT 10.7 against 7.6 s; 16 chat streams 106.6 against 97.3 tok/s. A lone
-request is unaffected: with decode idle the cost model prefills it locally.
+long prompts' TTFT 10.7 against 7.6 s; 16 chat streams 106.6 against 97.3 tok/s. That count
+holds while decode steps; while decode has nothing running a prefill takes every core
+(engine/cpu_share.py), so a lone request is not prefilled on one thread.
 
-Elsewhere (a prefill pool on servers of its own, GPUs, an explicit mode) nothing changes:
+Elsewhere (a prefill pool on servers of its own, GPUs, co-located mode) nothing changes:
 torch's default threads at the niceness the process started with.
 
 Decode's OpenMP workers spin between parallel regions while its process has one pool, and
@@ -19,11 +20,10 @@ sleep at once while it has two (libgomp throttles spinning when it manages more 
 than CPUs). Measured on 2 cores (docs/benchmarks.md, "One OpenMP pool"): with the cores its
 own, one pool served co-located 16 chat streams 8% faster and one stream 37-57% faster;
 beside a prefill pool on the same cores, the spinning starved the prefill (long prompts'
-TTFT 11-12 -> 17-19 s, 16 streams 5% slower). Beside conditional mode's prefill pool decode
-now keeps one pool and steps on one thread only while a prefill computes
-(engine/cpu_share.py: one stream 55 -> 86 tok/s, 16 streams +10%, the rhythm kept); beside
-the disaggregated mode's (torch's threads at nice 0) and a second decode instance it keeps
-two.
+TTFT 11-12 -> 17-19 s, 16 streams 5% slower). So beside a prefill pool decode keeps one pool
+and steps on one thread only while a prefill computes (engine/cpu_share.py: in conditional
+mode one stream 55 -> 86 tok/s, 16 streams +10%, the rhythm kept); a second decode instance
+shares its cores with the first, and there decode keeps two pools.
 """
 
 from __future__ import annotations
@@ -66,18 +66,15 @@ def _prefill_here(s: ServeSettings, modes: tuple[str, ...]) -> bool:
 
 
 def shares_cores(s: ServeSettings) -> bool:
-    """Whether this server runs a conditional mode's prefill pool on decode's CPU cores."""
-    return _prefill_here(s, (CONDITIONAL,))
+    """Whether this server runs a prefill pool on decode's CPU cores."""
+    return _prefill_here(s, (CONDITIONAL, DISAGGREGATED))
 
 
 def decode_one_pool(s: ServeSettings) -> bool:
-    """Whether decode's process keeps one OpenMP pool (its engine loop's): where no other
-    engine process computes on its cores (no prefill pool here, one decode instance), and
-    beside conditional mode's prefill pool, whose computing decode yields to
-    (engine/cpu_share.py)."""
-    if s.decode_instances != 1:
-        return False
-    return shares_cores(s) or not _prefill_here(s, (CONDITIONAL, DISAGGREGATED))
+    """Whether decode's process keeps one OpenMP pool (its engine loop's): with one decode
+    instance, whether its cores are its own or a prefill pool's too, which it then yields
+    to while a prefill computes (engine/cpu_share.py)."""
+    return s.decode_instances == 1
 
 
 def prefill_yield(s: ServeSettings) -> tuple[int, int]:

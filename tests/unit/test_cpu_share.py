@@ -1,6 +1,7 @@
-"""engine/cpu_share.py: decode learns from a lock file whether a prefill process computes,
-a dead prefill never holds it, and decode's steps drop to one thread and come back without
-making a second OpenMP pool. Real processes and real flock locks; no model."""
+"""engine/cpu_share.py: each side learns from a lock file whether the other computes, a dead
+process never holds one, decode's steps drop to one thread and come back without making a
+second OpenMP pool, and a prefill takes every core only while decode idles. Real processes
+and real flock locks; no model."""
 
 from __future__ import annotations
 
@@ -12,25 +13,26 @@ import sys
 import time
 
 import pytest
+import torch
 
-from disagg.engine.cpu_share import PrefillActivity
+from disagg.engine.cpu_share import DECODE_STEPPING, PREFILL_COMPUTING, Activity, PrefillThreads
 
 pytestmark = pytest.mark.unit
 
 _HOLDER = r"""
 import sys, time
-from disagg.engine.cpu_share import PrefillActivity
-with PrefillActivity(sys.argv[1]).computing():
+from disagg.engine.cpu_share import Activity
+with Activity(sys.argv[1], sys.argv[2]).computing():
     print("held", flush=True)
-    time.sleep(float(sys.argv[2]))
+    time.sleep(float(sys.argv[3]))
 print("released", flush=True)
 time.sleep(60)
 """
 
 
-def _holder(run_dir, hold_s: float) -> subprocess.Popen:
+def _holder(run_dir, name: str, hold_s: float) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, str(run_dir), str(hold_s)],
+        [sys.executable, "-c", _HOLDER, str(run_dir), name, str(hold_s)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -38,13 +40,14 @@ def _holder(run_dir, hold_s: float) -> subprocess.Popen:
     return proc
 
 
-def test_decode_sees_a_prefill_computing_only_while_it_does(tmp_path):
-    decode = PrefillActivity(tmp_path)
+def test_one_side_sees_the_other_computing_only_while_it_does(tmp_path):
+    decode = Activity(tmp_path, PREFILL_COMPUTING)
     assert not decode.active()
-    proc = _holder(tmp_path, 1.0)
+    proc = _holder(tmp_path, PREFILL_COMPUTING, 1.0)
     try:
         assert decode.active()
         assert decode.active()  # asking takes nothing from the holder
+        assert not Activity(tmp_path, DECODE_STEPPING).active()  # the other lock is apart
         assert proc.stdout.readline().strip() == "released"
         assert not decode.active()
     finally:
@@ -53,9 +56,10 @@ def test_decode_sees_a_prefill_computing_only_while_it_does(tmp_path):
         decode.close()
 
 
-def test_two_prefills_at_once_and_one_that_dies_computing(tmp_path):
-    decode = PrefillActivity(tmp_path)
-    first, second = _holder(tmp_path, 60), _holder(tmp_path, 60)  # shared: both hold
+def test_two_holders_at_once_and_one_that_dies_holding(tmp_path):
+    decode = Activity(tmp_path, PREFILL_COMPUTING)
+    first = _holder(tmp_path, PREFILL_COMPUTING, 60)
+    second = _holder(tmp_path, PREFILL_COMPUTING, 60)  # shared: both hold
     try:
         assert decode.active()
         os.kill(first.pid, signal.SIGKILL)
@@ -74,15 +78,10 @@ def test_two_prefills_at_once_and_one_that_dies_computing(tmp_path):
         decode.close()
 
 
-_THREADS = r"""
+_SIDES = r"""
 import json, os, sys
 import torch
 from disagg.engine.cpu_share import DecodeThreads
-
-class Activity:
-    busy = False
-    def active(self):
-        return self.busy
 
 def tasks():
     return len(os.listdir("/proc/self/task"))
@@ -93,29 +92,67 @@ def step():
         x.mul_(1.0)  # parallel regions over torch's grain
     return torch.get_num_threads()
 
-activity = Activity()
-threads = DecodeThreads(activity)
-out = {"full": threads.full, "seen": []}
-threads.before_step(); out["seen"].append(step())
+run_dir = sys.argv[1]
+decode = DecodeThreads(run_dir)
+out = {"full": decode.full, "seen": []}
+decode.before_step(); out["seen"].append(step())
 made = tasks()
-for busy in (True, True, False, True, False):
-    activity.busy = busy
-    threads.before_step()
+for line in sys.stdin:  # "busy" / "free": a prefill computes in the parent, or not
+    decode.before_step()
     out["seen"].append(step())
+    if line.strip() == "idle":
+        decode.idle()
+    print("stepped", flush=True)
 out["made_after_first"] = tasks() - made
-out["yielded"] = threads.yielded_steps
-print(json.dumps(out))
+out["shared_steps"] = decode.shared_steps
+print(json.dumps(out), flush=True)
 """
 
 
-def test_steps_run_on_one_thread_while_busy_and_reuse_the_same_pool():
+def test_decode_yields_while_a_prefill_computes_and_a_prefill_takes_all_while_decode_idles(
+    tmp_path,
+):
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    done = subprocess.run(
-        [sys.executable, "-c", _THREADS], capture_output=True, text=True, env=env, timeout=120
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIDES, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    prefill = PrefillThreads(tmp_path, full=2, shared=1)  # sets this process's count: restored
+    chosen, before = [], torch.get_num_threads()
+    try:
+        stepping = Activity(tmp_path, DECODE_STEPPING)
+
+        def decode_step(then: str = "") -> None:
+            proc.stdin.write(then + "\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "stepped"
+
+        decode_step()  # stepping: the decode process holds its lock
+        assert stepping.active()
+        with prefill.computing() as threads:
+            chosen.append(threads)
+            decode_step()
+            decode_step()
+        decode_step("idle")  # a step, then nothing left: decode lets go
+        assert not stepping.active()
+        with prefill.computing() as threads:  # decode idles: every core
+            chosen.append(threads)
+            decode_step()  # a step begins: decode is stepping again, on one thread
+            stop = prefill.between_layers(lambda: False)  # the prefill's next layer
+            assert stop() is False
+            chosen.append(torch.get_num_threads())  # down to one: decode steps
+        proc.stdin.close()
+        out = json.loads(proc.stdout.read().strip().splitlines()[-1])
+    finally:
+        proc.kill()
+        proc.wait()
+        prefill.close()
+        torch.set_num_threads(before)
+    assert chosen == [1, 2, 1]
     assert out["full"] == 2
-    assert out["seen"] == [2, 1, 1, 2, 1, 2]
-    assert out["yielded"] == 3
+    assert out["seen"] == [2, 2, 1, 1, 2, 1]
+    assert out["shared_steps"] == 3
     assert out["made_after_first"] == 0  # back to two threads: the pool's worker, not a new one

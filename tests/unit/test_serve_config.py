@@ -94,7 +94,7 @@ def test_mode_auto_is_disaggregated_only_where_prefill_has_hardware_of_its_own(
     [
         ({}, ("1", "10")),  # auto -> conditional, both pools on this CPU: prefill yields
         ({"mode": "conditional"}, ("1", "10")),
-        ({"mode": "disaggregated"}, ("0", "0")),  # every prompt remote: keep its cores
+        ({"mode": "disaggregated"}, ("1", "10")),  # every prompt remote, on decode's cores
         ({"mode": "colocated"}, ("0", "0")),
         ({"prefill_replicas": "h:1"}, ("0", "0")),  # prefill has servers of its own
         ({"role": "prefill"}, ("0", "0")),
@@ -103,7 +103,7 @@ def test_mode_auto_is_disaggregated_only_where_prefill_has_hardware_of_its_own(
         ({"prefill_nice": 5}, ("0", "5")),
     ],
 )  # fmt: skip
-def test_prefill_yields_shared_cores_only_where_conditional_runs_both_pools_on_one_cpu(
+def test_prefill_yields_shared_cores_only_where_both_pools_run_on_one_cpu(
     tmp_path, settings, threads_nice
 ):
     values = template_values(ServeSettings(**settings), tmp_path)
@@ -114,14 +114,14 @@ def test_prefill_yields_shared_cores_only_where_conditional_runs_both_pools_on_o
     "settings, one_pool",
     [
         ({}, True),  # auto -> conditional: decode yields to its prefill (cpu_share.py)
-        ({"mode": "disaggregated"}, False),  # every prompt on the prefill pool's threads
+        ({"mode": "disaggregated"}, True),  # and yields to it likewise
         ({"mode": "colocated"}, True),  # decode prefills its own: the cores are its
         ({"mode": "colocated", "decode_instances": 2}, False),  # two engines share them
         ({"role": "decode"}, True),
         ({"prefill_replicas": "10.0.0.2:8001"}, True),  # prefill on another server
     ],
 )  # fmt: skip
-def test_decode_keeps_one_openmp_pool_only_where_no_other_engine_shares_its_cores(
+def test_decode_keeps_one_openmp_pool_unless_a_second_decode_instance_shares_its_cores(
     tmp_path, settings, one_pool
 ):
     values = template_values(ServeSettings(**settings), tmp_path)
@@ -133,13 +133,13 @@ def test_decode_keeps_one_openmp_pool_only_where_no_other_engine_shares_its_core
     [
         ({}, True),  # auto -> conditional on one CPU server
         ({"mode": "conditional"}, True),
-        ({"mode": "disaggregated"}, False),
+        ({"mode": "disaggregated"}, True),
         ({"mode": "colocated"}, False),  # no prefill pool here
         ({"prefill_replicas": "h:1"}, False),  # prefill has servers of its own
         ({"engine_backend": "tensorrt_llm"}, False),
     ],
 )  # fmt: skip
-def test_decode_yields_to_its_prefill_only_where_conditional_shares_the_cpu(
+def test_decode_yields_to_its_prefill_only_where_both_pools_share_the_cpu(
     tmp_path, settings, shared
 ):
     values = template_values(ServeSettings(**settings), tmp_path)

@@ -32,14 +32,13 @@ class TritonPythonModel:
         else:
             pb.set_torch_threads(p.decode_torch_threads)
             # the engine loop's OpenMP pool alone: its workers spin between parallel regions
-            # (engine/omp.py); beside conditional mode's prefill pool, its steps run on one
-            # thread while a prefill computes (engine/cpu_share.py); where another engine
-            # shares the cores otherwise, a second pool (this thread's) makes them sleep
+            # (engine/omp.py); beside a prefill pool on its cores, its steps run on one
+            # thread while a prefill computes (engine/cpu_share.py); where a second decode
+            # instance shares the cores, a second pool (this thread's) makes them sleep
             self.one_pool = p.decode_one_pool
             if p.cores_shared and self.one_pool:
                 self.threads = cpu_share.DecodeThreads(
-                    cpu_share.PrefillActivity(p.run_dir),
-                    on_shared_step=self.metrics.on_shared_step,
+                    p.run_dir, on_shared_step=self.metrics.on_shared_step
                 )
             if self.one_pool:
                 omp.serial_here()
@@ -63,6 +62,7 @@ class TritonPythonModel:
             cancels,
             on_step=self._on_step,
             before_step=self.threads.before_step if self.threads is not None else None,
+            on_idle=self.threads.idle if self.threads is not None else None,
             stream_interval=p.decode_stream_interval,
             batch_slots=p.decode_max_num_seqs,
         ).start()
@@ -109,4 +109,6 @@ class TritonPythonModel:
         if self.kv_events is not None:
             self.kv_events.close()
         self.service.stop()
+        if self.threads is not None:
+            self.threads.close()
         pb_metrics.close_metrics()  # before the stub exits (see pb_metrics.close_metrics)

@@ -4,12 +4,12 @@ engine_backend "pytorch": disagg's engine, the payload is the prompt's K/V. "ten
 a context_only request, the payload is the serialised DisaggregatedParams (the K/V itself
 moves through TensorRT-LLM's cache transceiver)."""
 
-import contextlib
 import os
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from disagg import heartbeat, kvshm
 from disagg.cancel import CancelRegistry
@@ -38,8 +38,12 @@ class TritonPythonModel:
             self.trtllm = prefill_engine(p)
             heartbeat.start(Path(p.run_dir) / "heartbeat")  # last, as below
             return
-        # decode on the same cores steps on one thread while this computes (cpu_share.py)
-        self.activity = cpu_share.PrefillActivity(p.run_dir) if p.cores_shared else None
+        # decode on the same cores steps on one thread while this computes, and this on
+        # prefill_torch_threads while decode steps, on every core while it idles (cpu_share.py)
+        if p.cores_shared:
+            full = torch.get_num_threads()  # torch's default: every core
+            shared = p.prefill_torch_threads or full
+            self.activity = cpu_share.PrefillThreads(p.run_dir, full, shared)
         pb.set_nice(p.prefill_nice)  # before torch makes its threads (they inherit it)
         pb.set_torch_threads(p.prefill_torch_threads)
         self.engine = PrefillEngine(
@@ -109,8 +113,12 @@ class TritonPythonModel:
                 result, handoff = self.trtllm.prefill(rid, prompt, params, cancelled)
                 payload = np.frombuffer(to_bytes(handoff), np.uint8)
             else:
-                with self.activity.computing() if self.activity else contextlib.nullcontext():
+                if self.activity is None:
                     result = self.engine.prefill(rid, prompt, params, call.skip_tokens, cancelled)
+                else:  # the count follows decode's stepping layer by layer (cpu_share.py)
+                    with self.activity.computing():
+                        stop = self.activity.between_layers(cancelled)
+                        result = self.engine.prefill(rid, prompt, params, call.skip_tokens, stop)
                 kv_start = result.kv.start
                 if self.engine.kv_reuse is not None:
                     self.prefix_metrics.update(self.engine.kv_reuse.index.stats)

@@ -16,7 +16,7 @@ thread keeps that thread from ever making a pool; the loop thread keeps torch's 
 Spinning is not free where other processes compute on the same cores: a spinning worker
 takes CPU they would use. Where another engine process computes on them, decode either
 keeps one pool and steps on one thread while that process computes (engine/cpu_share.py,
-conditional mode's prefill pool), or has workers that sleep at once: `pool_here()` makes the
+a prefill pool), or has workers that sleep at once: `pool_here()` makes the
 second pool that has libgomp throttle them (prefill_yield.decode_one_pool decides;
 docs/benchmarks.md has the figures)."""
 

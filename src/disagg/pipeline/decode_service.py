@@ -134,6 +134,7 @@ class DecodeService:
         cancel_check_interval_s: float = 0.25,
         on_step: Callable[[DecodeStats], None] | None = None,
         before_step: Callable[[], None] | None = None,
+        on_idle: Callable[[], None] | None = None,
         stuck_send_s: float = 5.0,  # a healthy send takes well under a millisecond
         on_stuck: Callable[[float], None] = _exit_process,
         stream_interval: int = 1,
@@ -148,7 +149,9 @@ class DecodeService:
         self.stream_interval = stream_interval
         self.batch_slots = batch_slots
         self.on_step = on_step  # called with engine.stats() after every step (metrics)
-        self.before_step = before_step  # on the loop thread (engine/cpu_share.py)
+        # on the loop thread (engine/cpu_share.py): before each step, and as it runs out
+        # of work
+        self.before_step, self.on_idle = before_step, on_idle
         self.cancels = cancels
         self.cancel_check_interval_s = cancel_check_interval_s
         self.stuck_send_s = stuck_send_s
@@ -222,6 +225,8 @@ class DecodeService:
     def _loop(self) -> None:
         while True:
             with self._wake:
+                if not self.engine.has_unfinished and self.on_idle is not None:
+                    self.on_idle()
                 while not self._stopped and not self.engine.has_unfinished:
                     self._wake.wait()
                 if self._stopped:

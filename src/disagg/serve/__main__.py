@@ -224,8 +224,9 @@ def print_banner(settings: ServeSettings, gateway: GatewayProcess, e: Endpoints)
     why = "" if why == "set" else f" ({why}; DISAGG_MODE= sets another)"
     threads, nice = prefill_yield(settings)
     yields = (  # only where prefill_yield chose them: what was set is the user's own
-        f"\n  prefill  {threads} torch thread at nice {nice}: yields decode's cores "
-        "(DISAGG_PREFILL_TORCH_THREADS / DISAGG_PREFILL_NICE set others)"
+        f"\n  prefill  {threads} torch thread at nice {nice} while decode steps, every core "
+        "while it idles: yields decode's cores (DISAGG_PREFILL_TORCH_THREADS / "
+        "DISAGG_PREFILL_NICE set others)"
         if (threads, nice) != (settings.prefill_torch_threads, settings.prefill_nice)
         else ""
     )
