@@ -42,3 +42,25 @@ def test_decode_steps_are_the_same_bits_on_one_thread_and_on_two(engine_dir, act
     two = _steps(model, [2] * 12)
     switching = _steps(model, [2, 1, 1, 2, 1, 2, 2, 1, 2, 1, 1, 2])
     assert torch.equal(two, switching), (two - switching).abs().max()
+
+
+@pytest.mark.parametrize("activations", ["float32", "bfloat16"])
+def test_a_prefill_is_the_same_bits_on_one_thread_and_on_two(engine_dir, activations):
+    """A prefill's count follows decode layer by layer (cpu_share.PrefillThreads)."""
+    if activations == "bfloat16" and not (quant.available() is None and quant.bf16_simd()):
+        pytest.skip("bf16 block products need AVX512-BF16")
+    model = Llama.load(engine_dir, weights="auto", activations=activations)
+    ids = [(11 * i) % 4000 + 10 for i in range(300)]
+    before, got = torch.get_num_threads(), []
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            cache = KVCacheSlots(model.args, 1, 512, device=model.device)
+            logits = model.prefill_chunk(ids, 0, cache, 0)
+            got.append(
+                (logits.clone(), cache.k[:, 0, :, :300].clone(), cache.v[:, 0, :, :300].clone())
+            )
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(got[0], got[1], strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()

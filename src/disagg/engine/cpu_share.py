@@ -9,10 +9,11 @@ prefill at nice 10 on the same cores. With the workers throttled instead (two po
 region wakes a sleeping worker and every step is slower, prefill or not. Here decode keeps
 one pool and asks before each step whether a prefill is computing: while one is, its steps
 run on the loop thread alone (the worker sleeps once its spin runs out), leaving the other
-cores to the prefill; then it goes back to torch's count. A prefill asks once, as it starts,
-whether decode is stepping: one thread if so (prefill_yield.py's count), else every core, so
-a lone request is not prefilled on one thread. The thread count changes no bit of a step or
-a prefill: every kernel splits its outputs across threads, never a sum (tests/model).
+cores to the prefill; then it goes back to torch's count. A prefill asks as it starts and
+before every layer whether decode is stepping: one thread if so (prefill_yield.py's count),
+else every core, so a lone request is not prefilled on one thread. The thread count changes
+no bit of a step or a prefill: every kernel splits its outputs across threads, never a sum
+(tests/model).
 
 The signals are lock files in the server's run directory: a prefill process holds a shared
 flock on one while it computes, decode holds a shared flock on the other while it has
@@ -24,14 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger("disagg.engine")
 
 PREFILL_COMPUTING = "prefill-computing.lock"
 DECODE_STEPPING = "decode-stepping.lock"
