@@ -114,7 +114,9 @@ def render(
             before, "nv_inference_exec_count", model=model
         )
         lines.append(f"  {model:<14}{pending:6.0f}  {execs / seconds:11.1f}")
-    lines += ["", "decode instance   batch  waiting  KV in use"]
+    # one-thread steps: the share of the last interval's steps run beside a computing
+    # prefill on the same cores (engine/cpu_share.py); near 100% the pools want cores apart
+    lines += ["", "decode instance   batch  waiting  KV in use              one-thread steps"]
     for s in sorted(
         (s for s in now if s.name == "disagg_decode_batch_size"), key=lambda s: s.labels
     ):
@@ -123,7 +125,12 @@ def render(
         cap = total(now, "disagg_decode_kv_bytes_capacity", instance=inst)
         waiting = total(now, "disagg_decode_waiting_sequences", instance=inst)
         use = f"{kv / 2**20:7.1f} MiB ({100 * kv / cap:3.0f}%)" if cap else f"{kv / 2**20:7.1f} MiB"
-        lines.append(f"  {inst:<16}{s.value:5.0f}  {waiting:7.0f}  {use}")
+        steps, shared = (
+            total(now, name, instance=inst) - total(before, name, instance=inst)
+            for name in ("disagg_decode_steps_total", "disagg_decode_shared_steps_total")
+        )
+        yielded = f"{shared / steps:.0%}" if steps > 0 else "-"
+        lines.append(f"  {inst:<16}{s.value:5.0f}  {waiting:7.0f}  {use:<21}  {yielded:>16}")
     caches = sorted(
         {(s.label("pool"), s.label("instance")) for s in now
          if s.name == "disagg_prefix_cache_capacity_tokens"}

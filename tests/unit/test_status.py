@@ -71,6 +71,18 @@ def test_a_frame_shows_pools_decode_and_recent_latency():
     assert "decided with: remote_stall 0.25" in frame
 
 
+def test_a_frame_shows_the_share_of_decode_steps_run_beside_a_prefill():
+    labels = '{instance="decode_0_0",model="decode"}'
+    before = BEFORE + f"disagg_decode_steps_total{labels} 100\n"
+    before += f"disagg_decode_shared_steps_total{labels} 10\n"
+    now = NOW + f"disagg_decode_steps_total{labels} 300\n"
+    now += f"disagg_decode_shared_steps_total{labels} 60\n"
+    row = next(x for x in render(parse(before), parse(now), 10.0).splitlines() if "decode_0_0" in x)
+    assert row.split()[-1] == "25%"  # 50 of the last 200 steps
+    idle = next(x for x in render(parse(now), parse(now), 10.0).splitlines() if "decode_0_0" in x)
+    assert idle.split()[-1] == "-"  # no step in the interval
+
+
 def test_a_frame_shows_what_hand_offs_left_out_and_the_prefix_misses():
     before = BEFORE + 'disagg_kv_handoff_skipped_bytes_total{model="orchestrator"} 1e6\n'
     now = NOW + (
