@@ -15,7 +15,13 @@ import time
 import pytest
 import torch
 
-from disagg.engine.cpu_share import DECODE_STEPPING, PREFILL_COMPUTING, Activity, PrefillThreads
+from disagg.engine.cpu_share import (
+    DECODE_STEPPING,
+    PREFILL_COMPUTING,
+    Activity,
+    DecodeThreads,
+    PrefillThreads,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -156,3 +162,24 @@ def test_decode_yields_while_a_prefill_computes_and_a_prefill_takes_all_while_de
     assert out["seen"] == [2, 2, 1, 1, 2, 1]
     assert out["shared_steps"] == 3
     assert out["made_after_first"] == 0  # back to two threads: the pool's worker, not a new one
+
+
+def test_a_decode_that_does_not_yield_still_tells_the_prefill_it_steps(tmp_path):
+    """Two decode instances (two pools each): the count stays, the stepping lock is held,
+    so a prefill beside them keeps to its shared count."""
+    before = torch.get_num_threads()
+    decode = DecodeThreads(tmp_path, yields=False)
+    prefill = PrefillThreads(tmp_path, full=2, shared=1)
+    holder = _holder(tmp_path, PREFILL_COMPUTING, 60)  # another prefill computes
+    try:
+        decode.before_step()
+        assert torch.get_num_threads() == before and decode.shared_steps == 0
+        assert prefill.adjust() == 1  # decode steps: the prefill keeps to one thread
+        decode.idle()
+        assert prefill.adjust() == 2
+    finally:
+        holder.kill()
+        holder.wait()
+        decode.close()
+        prefill.close()
+        torch.set_num_threads(before)

@@ -34,11 +34,12 @@ class TritonPythonModel:
             # the engine loop's OpenMP pool alone: its workers spin between parallel regions
             # (engine/omp.py); beside a prefill pool on its cores, its steps run on one
             # thread while a prefill computes (engine/cpu_share.py); where a second decode
-            # instance shares the cores, a second pool (this thread's) makes them sleep
+            # instance shares the cores, a second pool (this thread's) makes them sleep, and
+            # decode only tells the prefill pool that it steps
             self.one_pool = p.decode_one_pool
-            if p.cores_shared and self.one_pool:
+            if p.cores_shared:
                 self.threads = cpu_share.DecodeThreads(
-                    p.run_dir, on_shared_step=self.metrics.on_shared_step
+                    p.run_dir, on_shared_step=self.metrics.on_shared_step, yields=self.one_pool
                 )
             if self.one_pool:
                 omp.serial_here()

@@ -81,19 +81,22 @@ class Activity:
 class DecodeThreads:
     """Decode's side, on its loop thread: `before_step()` sets the thread count (`shared`
     while a prefill computes, `full`, torch's count when made, otherwise) and says decode is
-    stepping; `idle()` says it has nothing to step."""
+    stepping; `idle()` says it has nothing to step. With `yields` False the count stays
+    `full` (a decode whose workers sleep anyway: two pools) and decode only says it steps,
+    so a prefill beside it still keeps to its shared count."""
 
     def __init__(
         self,
         run_dir: str | Path,
         shared: int = 1,
         on_shared_step: Callable[[], None] | None = None,  # a counter (pb_metrics)
+        yields: bool = True,
     ) -> None:
         self.prefill = Activity(run_dir, PREFILL_COMPUTING)
         self.stepping = Activity(run_dir, DECODE_STEPPING)
         self.on_shared_step = on_shared_step
         self.full = torch.get_num_threads()
-        self.shared = max(1, min(shared, self.full))
+        self.shared = max(1, min(shared, self.full)) if yields else self.full
         self.current = self.full
         self.shared_steps = 0  # steps run with `shared` threads (tests, metrics)
 
