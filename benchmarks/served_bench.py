@@ -6,7 +6,11 @@ in one run.
 Workload (issue 16): 16 streams at once, ~150-token prompts, 64 output tokens each, greedy,
 ignore_eos; and one stream alone, 128 tokens, for the inter-token latency (ITL). The engine
 reference is the in-process `LLM` on the same prompts (co-located: decode prefills in chunks
-beside its batch; and disaggregated: prefill engine -> KV hand-off -> decode engine). Each
+beside its batch; and disaggregated: prefill engine -> KV hand-off -> decode engine), and for
+the one stream's ITL also the engine's step itself (`engine-step`): `Llama.decode` of one
+sequence over the positions the stream decodes, in a process of its own with that model
+alone (issue 24: a stream's served ITL within 1.1x of it; this process's in-process `LLM`s
+step on threads of their own beside other OpenMP pools, which libgomp makes slower). Each
 mode's server is started in turn; inside a mode, engine and entry points take turns round
 after round (the median round is reported). During each served 16-stream run the CPU time
 of every process is read from /proc: where the time goes.
@@ -24,6 +28,7 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +38,7 @@ import torch
 
 from disagg.bench.runner import GatewayTarget, TritonTarget, run_open_loop
 from disagg.bench.workloads import PromptMaker, RequestSpec
+from disagg.engine.model import KVCacheSlots, Llama
 from disagg.engine.sequence import SamplingParams
 from disagg.llm import LLM
 from disagg.serve.gateway_process import GatewayProcess
@@ -100,6 +106,39 @@ def engine_run(llm: LLM, prompts: list[str], max_tokens: int) -> Run:
     )  # fmt: skip
 
 
+def step_times(engine_dir: str, dtype: str, acts: str, prompt_tokens: int, n: int) -> list[float]:
+    """The engine's batch-1 step over positions prompt_tokens .. + n (the cache's contents do
+    not change a step's time), on the calling thread: seconds per step."""
+    model = Llama.load(engine_dir, compute_dtype=dtype, activations=acts)
+    cache = KVCacheSlots(model.args, 1, prompt_tokens + n + 8)
+    tok = torch.tensor([42])
+    for i in range(3):  # warm-up
+        model.decode(tok, torch.tensor([prompt_tokens + i]), cache)
+    times = []
+    for i in range(n):
+        t = time.perf_counter()
+        model.decode(tok, torch.tensor([prompt_tokens + i]), cache)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def step_run(a, dtype: str, acts: str, prompt_tokens: int) -> Run:
+    """step_times in a process of its own, on its main thread, that model alone: the step a
+    decode process can reach (this one holds two engines' thread pools, which slows a step
+    here by a third or more)."""
+    args = [a.engine_dir, dtype, acts, str(prompt_tokens), str(a.alone_tokens)]
+    run = subprocess.run(
+        [sys.executable, __file__, "--step-times", *args], capture_output=True, text=True
+    )
+    if run.returncode:
+        raise RuntimeError(f"step timing failed: {run.stderr[-2000:]}")
+    times = json.loads(run.stdout.strip().splitlines()[-1])
+    p50, p99 = _itl(times)
+    return Run(
+        tok_s=1 / statistics.median(times), itl_p50_ms=p50, itl_p99_ms=p99, tokens=len(times)
+    )
+
+
 def served_run(target_factory, prompts: list[str], max_tokens: int, roots=None) -> Run:
     specs = [RequestSpec(i, "bench", 0.0, 150, max_tokens, {}) for i in range(len(prompts))]
 
@@ -136,7 +175,9 @@ def server_settings(spec: str) -> ServeSettings:
     return ServeSettings.load(env=env)
 
 
-def measure_mode(spec: str, a, prompts: list[str], engines: dict[str, LLM]) -> dict:
+def measure_mode(
+    spec: str, a, prompts: list[str], engines: dict[str, LLM], dtype: str, acts: str
+) -> dict:
     http, grpc, metrics, gw = free_ports(4)
     settings = dataclasses.replace(
         server_settings(spec),
@@ -167,6 +208,11 @@ def measure_mode(spec: str, a, prompts: list[str], engines: dict[str, LLM]) -> d
                         "c16": engine_run(llm, many, a.max_tokens),
                         "c1": engine_run(llm, one, a.alone_tokens),
                     }
+                llm = engines["colocated"]
+                rd["engine-step"] = {  # no 16-stream figure: one sequence's step
+                    "c16": Run(),
+                    "c1": step_run(a, dtype, acts, len(llm.tokenizer.encode(one[0]))),
+                }
                 for name, f in targets.items():
                     rd[name] = {
                         "c16": served_run(f, many, a.max_tokens, roots),
@@ -214,6 +260,10 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--step-times"]:  # step_run's own process
+        engine_dir, dtype, acts, prompt_tokens, n = sys.argv[2:7]
+        print(json.dumps(step_times(engine_dir, dtype, acts, int(prompt_tokens), int(n))))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--engine-dir", default="engines/smollm2-135m-instruct")
     p.add_argument(
@@ -251,14 +301,13 @@ def main() -> int:
     }
     summary = {}
     for mode in a.modes:
-        m = measure_mode(mode, a, prompts, engines)
+        m = measure_mode(mode, a, prompts, engines, dtype, acts)
         med = median_round(m["rounds"])
-        # the engine to match: the faster in-process engine at 16 streams, and the shorter
-        # one-stream ITL (both decode one sequence the same way: its step)
-        names = [k for k in med if k.startswith("engine-")]
+        # the engine to match: the faster in-process engine at 16 streams, and for the one
+        # stream's ITL the engine's step
+        names = [k for k in med if k.startswith("engine-") and k != "engine-step"]
         best = max(names, key=lambda k: med[k]["c16"].tok_s)
-        step = min(names, key=lambda k: med[k]["c1"].itl_p50_ms)
-        med["best_engine"] = {"c16": med[best]["c16"], "c1": med[step]["c1"]}
+        med["best_engine"] = {"c16": med[best]["c16"], "c1": med["engine-step"]["c1"]}
         summary[mode] = med
         res["modes"][mode] = {
             "rounds": [
@@ -275,7 +324,7 @@ def main() -> int:
         f"{a.alone_tokens}, greedy, ignore_eos; {res['compute_dtype']}, median of {a.rounds} "
         "rounds"
     )
-    print("| mode | entry | tok/s @16 | vs engine | ITL p50/p99 ms @16 | ITL p50 ms @1 | vs engine "
+    print("| mode | entry | tok/s @16 | vs engine | ITL p50/p99 ms @16 | ITL p50 ms @1 | vs step "
           "| errors |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for mode, med in summary.items():
@@ -284,9 +333,13 @@ def main() -> int:
             if entry == "best_engine":
                 continue
             c16, c1 = runs["c16"], runs["c1"]
+            loaded = (
+                f"{c16.tok_s:.1f} | {c16.tok_s / eng['c16'].tok_s:.0%} "
+                f"| {c16.itl_p50_ms:.0f} / {c16.itl_p99_ms:.0f}"
+            )
             print(
-                f"| {mode} | {entry} | {c16.tok_s:.1f} | {c16.tok_s / eng['c16'].tok_s:.0%} "
-                f"| {c16.itl_p50_ms:.0f} / {c16.itl_p99_ms:.0f} | {c1.itl_p50_ms:.1f} "
+                f"| {mode} | {entry} | {'- | - | -' if entry == 'engine-step' else loaded} "
+                f"| {c1.itl_p50_ms:.1f} "
                 f"| {c1.itl_p50_ms / eng['c1'].itl_p50_ms:.2f}x | {c16.errors + c1.errors} |"
             )
     print(f"\nCPU seconds per process during the {a.concurrency}-stream runs (median round):")
