@@ -95,13 +95,16 @@ class DecodeThreads:
         self.prefill = Activity(run_dir, PREFILL_COMPUTING)
         self.stepping = Activity(run_dir, DECODE_STEPPING)
         self.on_shared_step = on_shared_step
+        self.yields = yields
         self.full = torch.get_num_threads()
-        self.shared = max(1, min(shared, self.full)) if yields else self.full
+        self.shared = max(1, min(shared, self.full))
         self.current = self.full
         self.shared_steps = 0  # steps run with `shared` threads (tests, metrics)
 
     def before_step(self) -> None:
         self.stepping.hold()
+        if not self.yields:  # no count to change: no need to ask about the prefill
+            return
         want = self.shared if self.prefill.active() else self.full
         if want != self.current:
             torch.set_num_threads(want)  # this thread's OpenMP count; its pool stays
