@@ -7,8 +7,8 @@ Workload (issue 16): 16 streams at once, ~150-token prompts, 64 output tokens ea
 ignore_eos; and one stream alone, 128 tokens, for the inter-token latency (ITL). The engine
 reference is the in-process `LLM` on the same prompts (co-located: decode prefills in chunks
 beside its batch; and disaggregated: prefill engine -> KV hand-off -> decode engine), and for
-the one stream's ITL also the engine's step itself (`engine-step`): `Llama.decode` of one
-sequence over the positions the stream decodes, in a process of its own with that model
+the one stream's ITL also the engine's step itself (`engine-step`): `DecodeEngine.step` of
+one sequence over the positions the stream decodes, in a process of its own with that model
 alone (issue 24: a stream's served ITL within 1.1x of it; this process's in-process `LLM`s
 step on threads of their own beside other OpenMP pools, which libgomp makes slower). Each
 mode's server is started in turn; inside a mode, engine and entry points take turns round
@@ -38,9 +38,10 @@ import torch
 
 from disagg.bench.runner import GatewayTarget, TritonTarget, run_open_loop
 from disagg.bench.workloads import PromptMaker, RequestSpec
-from disagg.engine.model import KVCacheSlots, Llama
+from disagg.engine.model import Llama
 from disagg.engine.sequence import SamplingParams
 from disagg.llm import LLM
+from disagg.planner.measure import QUICK, measure_decode
 from disagg.serve.gateway_process import GatewayProcess
 from disagg.serve.server import TritonServer, free_ports
 from disagg.serve.supervisor import stub_processes
@@ -107,19 +108,11 @@ def engine_run(llm: LLM, prompts: list[str], max_tokens: int) -> Run:
 
 
 def step_times(engine_dir: str, dtype: str, acts: str, prompt_tokens: int, n: int) -> list[float]:
-    """The engine's batch-1 step over positions prompt_tokens .. + n (the cache's contents do
-    not change a step's time), on the calling thread: seconds per step."""
+    """The engine's batch-1 step (`DecodeEngine.step`, as `disagg profile` times it) over
+    positions prompt_tokens .. + n, on the calling thread: seconds per step."""
     model = Llama.load(engine_dir, compute_dtype=dtype, activations=acts)
-    cache = KVCacheSlots(model.args, 1, prompt_tokens + n + 8)
-    tok = torch.tensor([42])
-    for i in range(3):  # warm-up
-        model.decode(tok, torch.tensor([prompt_tokens + i]), cache)
-    times = []
-    for i in range(n):
-        t = time.perf_counter()
-        model.decode(tok, torch.tensor([prompt_tokens + i]), cache)
-        times.append(time.perf_counter() - t)
-    return times
+    plan = dataclasses.replace(QUICK, batches=(1,), contexts=(prompt_tokens,), decode_steps=n)
+    return [seconds for _, _, seconds in measure_decode(model, plan, log=lambda _: None)]
 
 
 def step_run(a, dtype: str, acts: str, prompt_tokens: int) -> Run:
