@@ -75,6 +75,19 @@ def test_vector_path_gives_the_portable_bits(fmt, m):
     )
 
 
+@needs_bf16
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("m,k", [(64, 1536), (77, 1536), (300, 576)])
+def test_prompt_rows_on_panels_give_the_lanes_bits(fmt, m, k):
+    """From qbf16_panel.h's LANES_ROWS rows up, rows multiply against weight panels: the bits
+    of the per-output accumulators (tiles of 12 or 9 rows with tails, a second block of 256,
+    a partial panel of 11 columns)."""
+    w, _ = blocks(fmt, 75, k, seed=m)
+    x = rows(m, k, seed=m)
+    got = quant.qlinear(x, w, "bfloat16")
+    assert torch.equal(got, quant.qlinear(x, w, "bfloat16", panels=False))
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_close_to_fp32(fmt):
     w, ref = blocks(fmt, 64, 576, seed=7)

@@ -271,53 +271,16 @@ static void vector(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t 
         }
     }
 }
+
+#include "qbf16_panel.h" /* prompt rows against panels of columns: lanes here, tiles below */
 #endif
 
 #ifdef QBF16_AMX
-/* A panel: AP columns, p [k/2][AP] holding each column's pair j as one 32-bit word (its bf16
- * weights j, j+1): the layout tdpbf16ps reads its second operand in, 16 pairs a tile. */
-#define AP 32
+/* Rows on tiles read their weights as panels (qbf16_panel.h): tdpbf16ps takes its second
+ * operand in that layout, 16 pairs a tile. */
 #define AR 32  /* rows of a register block: 2 x 2 accumulator tiles */
 #define AB 256 /* rows of a block: its panels made once for them (when not made for all rows) */
 
-INLINE void transpose16(__m512i r[16]) { /* 16 x 16 32-bit words, in registers */
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int b = 0; b < 16; b += 4) {
-        u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
-        u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
-        u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
-        u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
-    }
-    for (int e = 0; e < 4; e++) { /* u[4b + e], 128-bit lane L: rows 4b..4b+3, column 4L + e */
-        __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
-        __m512i v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
-        __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
-        __m512i v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
-        r[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        r[4 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-        r[8 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        r[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-    }
-}
-
-/* The panel of nc <= AP columns straight from their blocks: for each 16 columns, group g's
- * 16 pairs of each column (one expanded group) transposed into 16 rows of the panel. */
-static void amx_panel(const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t ng,
-                      int64_t nc, uint32_t *p) {
-    for (int h = 0; h < AP; h += 16)
-        for (int64_t g = 0; g < ng; g++) {
-            __m512i r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = h + i >= nc ? _mm512_setzero_si512()
-                                   : group_bf16(qs, d, mn, fmt, (h + i) * ng + g);
-            transpose16(r);
-            for (int j = 0; j < 16; j++) _mm512_store_si512(p + (16 * g + j) * AP + h, r[j]);
-        }
-}
 
 /* AR rows of xb (zero rows past the end) against a panel: tiles 0-3 hold the sums */
 INLINE void amx_block(const uint16_t *xb, int64_t k, const uint32_t *p) {
@@ -343,13 +306,6 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* the panel of the columns c..c+AP-1 (fewer at the end) of a weight of n columns into p */
-static void panel_at(const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t ng,
-                     int64_t n, int64_t c, uint32_t *p) {
-    int64_t bytes = ng * (fmt == Q8_0 ? GROUP : 16);
-    amx_panel(qs + c * bytes, d + c * ng, mn ? mn + c * ng : NULL, fmt, ng,
-              n - c < AP ? n - c : AP, p);
-}
 
 /* Rows in blocks of AB; in a block, panels split among the threads, each multiplied with
  * every AR rows of the block. xb holds whole AR-row blocks (zero rows at the end), 64-byte
@@ -376,7 +332,7 @@ static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8
         if (all) {
 #pragma omp for schedule(static)
             for (int64_t c = 0; c < n; c += AP)
-                panel_at(qs, d, mn, fmt, ng, n, c, all + c / AP * words);
+                panel_at(qs, d, mn, fmt, ng, n, c, all + c / AP * words, 0);
         } /* (the loop's barrier: every panel made before any thread reads one) */
 #pragma omp barrier
         for (int64_t b0 = 0; !failed && b0 < m_rows; b0 += AB) {
@@ -385,7 +341,7 @@ static int amx_matmul(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8
             for (int64_t c = 0; c < n; c += AP) {
                 int64_t nc = n - c < AP ? n - c : AP;
                 uint32_t *p = all ? all + c / AP * words : own;
-                if (!all) panel_at(qs, d, mn, fmt, ng, n, c, p);
+                if (!all) panel_at(qs, d, mn, fmt, ng, n, c, p, 0);
                 __asm__ volatile("" ::: "memory"); /* the panel's stores before the tile loads */
                 for (int64_t r0 = b0; r0 < b1; r0 += AR) {
                     int64_t nr = b1 - r0 < AR ? b1 - r0 : AR;
@@ -550,35 +506,49 @@ static void round_rows(const float *x, int64_t count, uint16_t *xb, int simd) {
     for (; i < count; i++) xb[i] = to_bf16(x[i]);
 }
 
+#ifdef QBF16_SIMD
+typedef int (*panels_fn)(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t *qs,
+                         const float *d, const float *mn, int fmt, int64_t n, float *y,
+                         uint32_t *all, int threads);
+
+/* fn with its panels made once for every block where the rows span several blocks of
+ * `block` and the kept scratch holds them all (SmolLM2-135M's layer weights; not its LM head,
+ * nor a larger model's biggest weights: those per block) */
+static int on_panels(panels_fn fn, int64_t block, const uint16_t *xb, int64_t m_rows, int64_t k,
+                     const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t n,
+                     float *y, int threads) {
+    int fresh = 0;
+    size_t bytes = (size_t)((n + AP - 1) / AP * AP * k / 2) * sizeof(uint32_t);
+    uint32_t *all = m_rows > block && bytes <= KEEP ? scratch(1, bytes, &fresh) : NULL;
+    int failed = fn(xb, m_rows, k, qs, d, mn, fmt, n, y, all, threads);
+    if (fresh) free(all);
+    return failed;
+}
+#endif
+
 /* y = xb W^T on the fastest path this CPU has (xb: disagg_qbf16_matmul's bf16 rows) */
 static int multiply(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t *qs,
                     const float *d, const float *mn, int fmt, int64_t n, float *y, int threads,
-                    int simd, int amx) {
+                    int simd, int amx, int lanes) {
 #ifdef QBF16_AMX
     if (amx && m_rows <= FEW) return amx_few(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
-    if (amx) { /* the panels made once for every block where there are several blocks and
-                * the kept scratch holds them all (SmolLM2-135M's layer weights; not its LM
-                * head, nor a larger model's biggest weights: those per block) */
-        int fresh = 0;
-        size_t bytes = (size_t)((n + AP - 1) / AP * AP * k / 2) * sizeof(uint32_t);
-        uint32_t *all = m_rows > AB && bytes <= KEEP ? scratch(1, bytes, &fresh) : NULL;
-        int failed = amx_matmul(xb, m_rows, k, qs, d, mn, fmt, n, y, all, threads);
-        if (fresh) free(all);
-        return failed;
-    }
+    if (amx) return on_panels(amx_matmul, AB, xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
 #endif
 #ifdef QBF16_SIMD
+    if (simd && lanes && m_rows >= LANES_ROWS)
+        return on_panels(lanes_matmul, LB, xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
     if (simd) {
         vector(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
         return 0;
     }
 #endif
-    (void)simd, (void)amx;
+    (void)simd, (void)amx, (void)lanes;
     return portable(xb, m_rows, k, qs, d, mn, fmt, n, y, threads);
 }
 
 #define PORTABLE_ONLY 1 /* the portable path even where the vector one runs (the tests') */
 #define TILES 2         /* AMX where the CPU has it (see the top) */
+#define DOT_LANES 4     /* prompt rows on `vector`'s accumulators, not panels (an A/B's) */
 
 /* x [M, K] fp32; W: qs [N, K/32, 16] uint8 (fmt 0 Q4_0, 1 Q4_1) or [N, K/32, 32] int8
  * (fmt 2 Q8_0), d and mn [N, K/32] fp32 (mn NULL: none); y [M, N] fp32; `flags` the bits
@@ -599,7 +569,8 @@ int disagg_qbf16_matmul(const float *x, int64_t m_rows, int64_t k, const uint8_t
 #pragma omp parallel for schedule(static) num_threads(threads) if (m_rows * k >= (1 << 16))
     for (int64_t r = 0; r < m_rows; r++) round_rows(x + r * k, k, xb + r * k, simd);
     memset(xb + m_rows * k, 0, (size_t)((held - m_rows) * k) * sizeof(uint16_t));
-    int failed = multiply(xb, m_rows, k, qs, d, mn, fmt, n, y, threads, simd, amx);
+    int failed = multiply(xb, m_rows, k, qs, d, mn, fmt, n, y, threads, simd, amx,
+                          !(flags & DOT_LANES));
     if (fresh) free(xb);
     return failed;
 }

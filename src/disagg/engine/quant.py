@@ -48,6 +48,7 @@ PROMPT_ROWS = 8
 FORMATS = ("q4_0", "q4_1", "q8_0")
 # fp32 activations (qmatmul.c), int8-quantized ones (qdot.c), bf16 arithmetic (qbf16.c)
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "qdot.c", "qbf16.c"))
+_HEADERS = (Path(__file__).with_name("qbf16_panel.h"),)  # part of the build key too
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -82,7 +83,7 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 def _compile(cc: list[str]) -> Path:
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True).stdout
     parts = [
-        *(f.read_text() for f in _SOURCES),
+        *(f.read_text() for f in (*_SOURCES, *_HEADERS)),
         *cc,
         version,
         *FLAGS,
@@ -256,6 +257,7 @@ def qlinear(
     activations: str = "float32",
     portable: bool = False,
     tiles: bool = False,
+    panels: bool = True,
 ) -> torch.Tensor:
     """x [M, k] fp32 -> x @ W.T [M, n] fp32, any M (a row's result never depends on M).
     `activations` "float32": fp32 activations against the expanded weights (qmatmul.c);
@@ -263,7 +265,9 @@ def qlinear(
     (qdot.c, llama.cpp's scheme); "bfloat16": rows and weights rounded to bf16, products
     summed in fp32 (qbf16.c; `portable` runs its reference path even where the CPU has
     AVX512-BF16; `tiles`: on AMX tiles where the CPU has them, as the engine multiplies
-    every bf16 row; without it the AVX512-BF16 lanes, the tests' and benchmarks' other side)."""
+    every bf16 row; without it the AVX512-BF16 lanes, the tests' and benchmarks' other side;
+    `panels` False: prompt rows on the lanes' per-output accumulators instead of weight panels,
+    the same bits more slowly, for benchmarks/prompt_panels_bench.py's A/B)."""
     rows = x.shape[0]
     x = x.contiguous()
     if x.dtype != torch.float32 or x.shape[1] != w.k:
@@ -277,7 +281,7 @@ def qlinear(
         if activations == "int8":
             failed = lib.disagg_qdot_matmul(*args, w.n, y.data_ptr(), threads)
         else:
-            flags = int(portable) | 2 * int(tiles)  # qbf16.c's PORTABLE_ONLY, TILES
+            flags = int(portable) | 2 * int(tiles) | 4 * int(not panels)  # qbf16.c's flags
             failed = lib.disagg_qbf16_matmul(*args, w.n, y.data_ptr(), threads, flags)
         if failed == -2:
             raise ValueError(f"qlinear: {activations} blocks need k a multiple of {GROUP}")
