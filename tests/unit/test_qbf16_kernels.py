@@ -67,22 +67,28 @@ def test_portable_path_is_the_stated_arithmetic(fmt):
 @needs_bf16
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("m", [1, 3, 4, 7, 16, 33, 128, 130, 257])  # rows: blocks of 128
-def test_vector_path_gives_the_portable_bits(fmt, m):
+@pytest.mark.parametrize("panels", [True, False])  # from 64 rows up, panels unless told not to
+def test_vector_path_gives_the_portable_bits(fmt, m, panels):
     w, _ = blocks(fmt, 75, 576, seed=m)  # 75 columns: a tile of 6 with a tail of 3
     x = rows(m, 576, seed=m) if m > 1 else rows(2, 576, seed=1)[1:]
     assert torch.equal(
-        quant.qlinear(x, w, "bfloat16"), quant.qlinear(x, w, "bfloat16", portable=True)
+        quant.qlinear(x, w, "bfloat16", panels=panels),
+        quant.qlinear(x, w, "bfloat16", portable=True),
     )
 
 
 @needs_bf16
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-@pytest.mark.parametrize("m,k", [(64, 1536), (77, 1536), (300, 576)])
-def test_prompt_rows_on_panels_give_the_lanes_bits(fmt, m, k):
+@pytest.mark.parametrize(
+    "m,k,n",
+    [(64, 1536, 75), (66, 1536, 90), (77, 1536, 90), (66, 576, 75), (71, 576, 90), (300, 576, 90)],
+)
+def test_prompt_rows_on_panels_give_the_lanes_bits(fmt, m, k, n):
     """From qbf16_panel.h's LANES_ROWS rows up, rows multiply against weight panels: the bits
-    of the per-output accumulators (tiles of 12 or 9 rows with tails, a second block of 256,
-    a partial panel of 11 columns)."""
-    w, _ = blocks(fmt, 75, k, seed=m)
+    of the per-output accumulators (row tiles of 12 or 9 with tails of 1, 3, 4, 5, 6, 8 and 11
+    rows, a second block of 256; last panels of 11 and 26 columns: part of one register, and
+    one and a part)."""
+    w, _ = blocks(fmt, n, k, seed=m)
     x = rows(m, k, seed=m)
     got = quant.qlinear(x, w, "bfloat16")
     assert torch.equal(got, quant.qlinear(x, w, "bfloat16", panels=False))
@@ -151,7 +157,7 @@ def test_a_threads_kept_scratch_is_freed_when_the_thread_ends():
     """qbf16.c keeps each calling thread's scratch (rows' bf16 copy, panels) between calls;
     request threads come and go, so a thread's scratch must go with it: 100 short-lived
     threads each multiplying 300 rows leave the process within 25 MB of where it was (kept
-    past their end, they would hold ~2 MB each on AMX, ~0.4 MB on the lanes). Measured in a
+    past their end, they would hold ~2 MB each, panels and rows). Measured in a
     fresh interpreter with one malloc arena: inside this suite, glibc's per-thread arenas
     keep up to ~60 MB of freed tensors whatever the kernels do."""
     script = """
