@@ -36,6 +36,13 @@ class Scripted(System):
     def port_in_use(self, host, port):
         return port in self.facts.get("taken", ())
 
+    def stale_stub_regions(self, older_than_s=60.0):
+        return self.facts.get("stale", [])
+
+    def remove_shm(self, name):
+        self.facts["stale"] = [r for r in self.facts["stale"] if r[0] != name]
+        self.facts.setdefault("removed", []).append(name)
+
     def http_get(self, url, timeout_s=3):
         return self.facts.get("http", {}).get(url.split("/", 3)[3], None)
 
@@ -185,3 +192,24 @@ def test_a_probe_that_crashes_is_reported_not_raised():
     results = by_name(run_checks(CPU, Broken()))
     assert results["shm"].status == C.FAIL and "check crashed" in results["shm"].detail
     assert "[FAIL] shm: check crashed: denied" in render(list(results.values()))
+
+
+def test_regions_killed_servers_left_are_named_and_removed(capsys):
+    from disagg.doctor import remove_stale_shm
+
+    sys_ = Scripted(
+        stale=[
+            ("triton_python_backend_shm_region_a", 64 << 20),
+            ("triton_python_backend_shm_region_b", 128 << 20),
+        ]
+    )
+    got = by_name(run_checks(CPU, sys_))["stale stub memory"]
+    assert got.status == C.WARN and "2 Python backend regions" in got.detail
+    assert "192 MiB" in got.detail and "--remove-stale-shm" in got.fix
+    assert remove_stale_shm(sys_) == 0
+    assert sys_.facts["removed"] == [
+        "triton_python_backend_shm_region_a",
+        "triton_python_backend_shm_region_b",
+    ]
+    assert "2 stale regions removed, 192 MiB freed" in capsys.readouterr().out
+    assert by_name(run_checks(CPU, sys_))["stale stub memory"].status == C.OK

@@ -234,6 +234,21 @@ def check_shm(s: ServeSettings, sys_: System) -> Result:
     return Result(name, OK, f"{free >> 20} MiB free ({need >> 20} MiB needed)")
 
 
+def check_stale_shm(s: ServeSettings, sys_: System) -> Result:
+    name = "stale stub memory"
+    stale = sys_.stale_stub_regions()
+    if not stale:
+        return Result(name, OK, "no Python backend region in /dev/shm is left unused")
+    held = sum(size for _, size in stale)
+    return Result(
+        name,
+        WARN,
+        f"{len(stale)} Python backend regions in /dev/shm, {held >> 20} MiB of RAM, mapped by "
+        "no process (stubs leave them when their server is killed with SIGKILL)",
+        "disagg doctor --remove-stale-shm (removes only regions no process maps or holds)",
+    )
+
+
 def check_stub_interpreter(s: ServeSettings, sys_: System) -> Result:
     name = "stub interpreter"
     if s.triton_server:
@@ -295,6 +310,7 @@ CHECKS: tuple[Callable[[ServeSettings, System], Result], ...] = (
     check_gpu_memory,
     check_ports,
     check_shm,
+    check_stale_shm,
     check_stub_interpreter,
     check_models,
     check_ttft,

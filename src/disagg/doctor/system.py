@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 
 from disagg import contracts as C
+from disagg.serve import shm_regions
 from disagg.settings import ServeSettings
 
 
@@ -34,6 +35,14 @@ class System:
         except OSError:
             return None
         return st.f_bavail * st.f_frsize
+
+    def stale_stub_regions(self, older_than_s: float = 60.0) -> list[tuple[str, int]]:
+        """This user's Python backend regions in /dev/shm that no process maps or holds
+        open, as (name, bytes): what stubs of servers killed with SIGKILL leave."""
+        return shm_regions.stale(older_than_s)
+
+    def remove_shm(self, name: str) -> None:
+        shm_regions.remove(name)
 
     def port_in_use(self, host: str, port: int) -> bool:
         with socket.socket() as s:

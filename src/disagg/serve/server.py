@@ -24,7 +24,7 @@ from disagg.contracts import internal_token as contracts_internal_token
 from disagg.errors import ConfigError
 from disagg.gateway.auth import KEYS_ENV
 from disagg.process import stub_args
-from disagg.serve import procargs, triton_install
+from disagg.serve import procargs, shm_regions, triton_install
 from disagg.serve.render import render_repositories, role_models
 from disagg.serve.supervisor import StubSupervisor
 from disagg.settings import ROOT, ServeSettings, parse_cpus, template_values
@@ -198,6 +198,7 @@ class TritonServer:
         )
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self.run_dir.mkdir(parents=True)
+        shm_regions.sweep()  # what servers killed with SIGKILL left in /dev/shm (their RAM)
         models = role_models(s.role, s.prefill_replicas, s.decode_replicas)
         repos = [
             r
