@@ -25,8 +25,11 @@ PROMPTS = ["Write a long story about a dragon.", "Describe the sea at night.", "
 HUNG_S = 90  # a stream that has not ended this long after the kill counts as hung
 KILL_AFTER = 6  # deltas of the first stream before the kill: every stream is decoding
 # long enough that no stream ends before the kill lands, however fast decode is (at 64, one
-# finished first on a fast machine: the streams' starts spread by their prefills)
-MAX_TOKENS = 160
+# finished first on a fast machine: the streams' starts spread by their prefills; at 160,
+# once in a fresh-clone run of 2026-12-07, the first stream's reply named the killed stub,
+# every text intact: likely, on two cores, decode ran ahead of the hops relaying its tokens
+# and had finished that stream before the client's sixth delta, so only the others moved)
+MAX_TOKENS = 320
 
 
 def body(prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> dict:
