@@ -52,8 +52,9 @@ def stale(older_than_s: float = 60.0) -> list[tuple[str, int]]:
             st = f.stat()
             if st.st_uid == os.getuid() and now - st.st_mtime > older_than_s:
                 found[f.name] = st.st_size
-    for name in in_use(set(found)):
-        del found[name]
+    if found:  # (a server start with nothing left behind reads no /proc)
+        for name in in_use(set(found)):
+            del found[name]
     return sorted(found.items())
 
 
