@@ -281,7 +281,6 @@ static void vector(const uint16_t *xb, int64_t m_rows, int64_t k, const uint8_t 
 #define AR 32  /* rows of a register block: 2 x 2 accumulator tiles */
 #define AB 256 /* rows of a block: its panels made once for them (when not made for all rows) */
 
-
 /* AR rows of xb (zero rows past the end) against a panel: tiles 0-3 hold the sums */
 INLINE void amx_block(const uint16_t *xb, int64_t k, const uint32_t *p) {
     _tile_zero(0);
@@ -305,7 +304,6 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
-
 
 /* Rows in blocks of AB; in a block, panels split among the threads, each multiplied with
  * every AR rows of the block. xb holds whole AR-row blocks (zero rows at the end), 64-byte

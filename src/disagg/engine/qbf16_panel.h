@@ -47,11 +47,10 @@ INLINE void transpose16(__m512i r[16]) { /* 16 x 16 32-bit words, in registers *
     }
 }
 
-
 /* The panel of nc <= AP columns straight from their blocks: for each 16 columns, group g's
  * 16 pairs of each column (one expanded group) transposed into 16 rows of the panel. */
 static void make_panel(const uint8_t *qs, const float *d, const float *mn, int fmt, int64_t ng,
-                      int64_t nc, uint32_t *p, int lane_major) {
+                       int64_t nc, uint32_t *p, int lane_major) {
     for (int h = 0; h < AP; h += 16)
         for (int64_t g = 0; g < ng; g++) {
             __m512i r[16];
@@ -69,7 +68,7 @@ static void panel_at(const uint8_t *qs, const float *d, const float *mn, int fmt
                      int64_t n, int64_t c, uint32_t *p, int lane_major) {
     int64_t bytes = ng * (fmt == Q8_0 ? GROUP : 16);
     make_panel(qs + c * bytes, d + c * ng, mn ? mn + c * ng : NULL, fmt, ng,
-              n - c < AP ? n - c : AP, p, lane_major);
+               n - c < AP ? n - c : AP, p, lane_major);
 }
 
 /* NR rows (a constant at each call: the accumulators stay in registers) of xb against panel p;
