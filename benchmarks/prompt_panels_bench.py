@@ -18,16 +18,19 @@ Prints both tables; writes results/prompt_panels_bench.json and .png.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
-import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
 import torch
 
+from disagg.bench.prefill_ab import prefill_ab, random_prompts
+from disagg.bench.report import paired_bars
 from disagg.engine import kernels, packed_prefill, quant
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,46 +88,19 @@ def forced(real: Callable[..., torch.Tensor], panels: bool) -> Callable[..., tor
     return qlinear
 
 
+@contextlib.contextmanager
+def forced_panels(panels: bool) -> Iterator[None]:
+    fn = forced(quant.qlinear, panels)
+    with (
+        mock.patch.object(kernels, "qlinear", fn),
+        mock.patch.object(packed_prefill, "qlinear", fn),
+    ):
+        yield
+
+
 def prefills() -> list[dict]:
-    from disagg.engine.model import KVCacheSlots, Llama
-
-    model = Llama.load(ENGINE, weights="auto", activations="bfloat16")
-    rng = random.Random(0)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(100, 40000) for _ in range(n)]
-
-    cases = {"1 x 150": [prompt(150)], "1 x 600": [prompt(600)], "1 x 1250": [prompt(1250)],
-             "16 x 150": [prompt(150) for _ in range(16)]}  # fmt: skip
-    cache = KVCacheSlots(model.args, 16, 1280)
-    best: dict[tuple[str, str], float] = {}
-    logits: dict[tuple[str, str], torch.Tensor] = {}
-    for _ in range(3):
-        for name, prompts in cases.items():
-            for way in WAYS:
-                chunks = [packed_prefill.Chunk(p, 0, i) for i, p in enumerate(prompts)]
-                fn = forced(quant.qlinear, way == "panels")
-                with (
-                    mock.patch.object(kernels, "qlinear", fn),
-                    mock.patch.object(packed_prefill, "qlinear", fn),
-                ):
-                    t = time.perf_counter()
-                    out = model.prefill_chunks(chunks, cache)
-                    dt = time.perf_counter() - t
-                best[(name, way)] = min(best.get((name, way), dt), dt)
-                logits[(name, way)] = torch.stack(out)
-    print("\n| prompts | tokens | lanes (s) | panels (s) | speed-up | same logits |")
-    print("|---|---|---|---|---|---|")
-    rows = []
-    for name, prompts in cases.items():
-        lanes, panels = best[(name, "lanes")], best[(name, "panels")]
-        same = torch.equal(logits[(name, "lanes")], logits[(name, "panels")])
-        tokens = sum(map(len, prompts))
-        speedup = lanes / panels
-        print(f"| {name} | {tokens} | {lanes:.3f} | {panels:.3f} | {speedup:.2f}x | {same} |")
-        rows.append({"prompts": name, "tokens": tokens, "lanes_s": lanes, "panels_s": panels,
-                     "same_logits": same})  # fmt: skip
-    return rows
+    ways = {w: functools.partial(forced_panels, w == "panels") for w in WAYS}
+    return prefill_ab(ENGINE, random_prompts([150, 600, 1250]), ways, activations="bfloat16")
 
 
 def plot(prods: list[dict], pre: list[dict], path: Path) -> None:
@@ -144,14 +120,10 @@ def plot(prods: list[dict], pre: list[dict], path: Path) -> None:
     ax.set_ylabel("GFLOP/s (dashed: lane accumulators)")
     ax.set_title("bf16 block products, same bits two ways")
     ax.legend(fontsize=7)
-    names = [r["prompts"] for r in pre]
-    at = range(len(names))
-    bx.bar([i - 0.2 for i in at], [r["lanes_s"] for r in pre], 0.4, label="lane accumulators")
-    bx.bar([i + 0.2 for i in at], [r["panels_s"] for r in pre], 0.4, label="panels")
-    bx.set_xticks(list(at), names)
-    bx.set_ylabel("prefill seconds (lower is better)")
-    bx.set_title("whole prefill in one process")
-    bx.legend(fontsize=8)
+    ways = {"lane accumulators": [r["lanes_s"] for r in pre],
+            "panels": [r["panels_s"] for r in pre]}  # fmt: skip
+    paired_bars(bx, [r["prompts"] for r in pre], ways, "prefill seconds (lower is better)",
+                "whole prefill in one process")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

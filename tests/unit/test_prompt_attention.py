@@ -11,7 +11,7 @@ import torch
 
 from disagg.engine import quant
 from disagg.engine.config import PROMPT_ATTN_ROWS, aligned_chunk
-from disagg.engine.layers import prompt_attention
+from disagg.engine.layers import attention_in_c, prompt_attention
 
 pytestmark = pytest.mark.unit
 
@@ -119,3 +119,29 @@ def test_rows_in_c_refuse_what_the_kernel_cannot_read():
         prompt_attention(q, k, v.double(), 0, 0.125, False, in_c=True)
     with pytest.raises(ValueError, match="keys up to the last row"):
         prompt_attention(q, k[:, :4], v[:, :4], 0, 0.125, False, in_c=True)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "n", "start"),
+    [
+        (9, 3, 64, 50, 0),  # SmolLM2: three heads of a kv head scored together
+        (8, 2, 64, 33, 0),  # four a kv head: scored two and two
+        (4, 4, 24, 17, 0),  # one a kv head; a value row shorter than 64 lanes
+        (6, 3, 72, 16, 5),  # after a cached prefix: 21 positions, a block and a part
+        (2, 1, 80, 1, 14),  # one row at position 14: 64 lanes and 16 more
+    ],
+)
+def test_key_blocks_give_the_keys_own_bits_at_every_shape(heads, kv_heads, d, n, start):
+    """Rows scored against blocks of keys (AVX-512) or position by position, as decode reads
+    the cache: one set of bits, at every block tail and head grouping; causal attention."""
+    g = torch.Generator().manual_seed(heads * 100 + d)
+    q = torch.randn(n, heads, d, generator=g)
+    k, v = (torch.randn(kv_heads, start + n, d, generator=g) for _ in range(2))
+    blocks = attention_in_c(q, k, v, start, 0.125, key_blocks=True)
+    assert torch.equal(blocks, attention_in_c(q, k, v, start, 0.125, key_blocks=False))
+    group = heads // kv_heads
+    kk, vv = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    s = torch.einsum("qhd,hkd->hqk", q, kk) * 0.125
+    visible = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+    want = torch.einsum("hqk,hkd->qhd", s.masked_fill(~visible, float("-inf")).softmax(-1), vv)
+    torch.testing.assert_close(blocks.view(n, heads, d), want, rtol=1e-5, atol=1e-5)

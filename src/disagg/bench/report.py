@@ -233,3 +233,16 @@ def plot_workload(
 
 def _key(sweep: Sweep, rate: float) -> str:
     return next(str(k) for k in sweep["rates"] if float(k) == rate)
+
+
+def paired_bars(ax: Any, names: list[str], ways: dict[str, list[float]], ylabel: str,
+                title: str) -> None:  # fmt: skip
+    """One group of bars a case, a bar a way (an A/B benchmark's seconds: lower is better)."""
+    width = 0.8 / len(ways)
+    for w, (label, values) in enumerate(ways.items()):
+        at = [i + (w - (len(ways) - 1) / 2) * width for i in range(len(names))]
+        ax.bar(at, values, width, label=label)
+    ax.set_xticks(list(range(len(names))), names)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)

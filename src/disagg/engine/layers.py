@@ -106,7 +106,7 @@ def prompt_attention(
     one torch call per block of PROMPT_ATTN_ROWS positions, which sees keys up to its own
     last row; else one call for all n rows (a GPU: one kernel launch)."""
     if in_c:
-        return _attention_in_c(q, k, v, start, scale)
+        return attention_in_c(q, k, v, start, scale)
     end = start + q.shape[0]
     qh = q.transpose(0, 1)[None]  # [1, H, n, D]
     cuts = [start, end]
@@ -130,9 +130,16 @@ def prompt_attention(
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
-def _attention_in_c(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
+def attention_in_c(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    scale: float,
+    key_blocks: bool = True,
 ) -> torch.Tensor:
+    """prompt_attention `in_c`. `key_blocks` False: the keys as decode reads them, position
+    by position (the same bits, slower where the CPU has AVX-512: benchmarks, tests)."""
     n, heads, d = q.shape
     ts = (q, k, v)
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts) or d % 8:
@@ -146,9 +153,9 @@ def _attention_in_c(
         k, v = k[:, : start + n].contiguous(), v[:, : start + n].contiguous()
     lib, threads = quant.library(), torch.get_num_threads()
     out = torch.empty(n, heads * d)
-    scratch = torch.empty(threads * lib.disagg_attention_step() * (start + n))
+    scratch = torch.empty(lib.disagg_prompt_scratch(n, start, k.shape[0], d, threads))
     lib.disagg_prompt_attention(
         q.data_ptr(), q.stride(0), n, start, heads, k.shape[0], d, k.data_ptr(), v.data_ptr(),
-        k.stride(0) // d, scale, out.data_ptr(), scratch.data_ptr(), threads,
+        k.stride(0) // d, scale, out.data_ptr(), scratch.data_ptr(), threads, int(key_blocks),
     )  # fmt: skip
     return out

@@ -439,9 +439,8 @@ static void normalize(float *p, int64_t t, float sum) {
  * Each row of v is read once for all NG heads. */
 static inline __attribute__((always_inline)) void weigh(const float *p, int64_t ld, const int NG,
                                                         int64_t t, const float *v, int64_t d,
-                                                        float *o) {
-    int64_t j = 0;
-    for (; j + 32 <= d; j += 32) { /* 32 of each head's o in registers over all the positions */
+                                                        float *o, int64_t j) {
+    for (; j + 32 <= d; j += 32) { /* (elements j.. : those before j are the caller's) */ /* 32 of each head's o in registers over all the positions */
         __m256 acc[AG][4];
         for (int g = 0; g < NG; g++)
             for (int u = 0; u < 4; u++) acc[g][u] = _mm256_setzero_ps();
@@ -471,12 +470,12 @@ static inline __attribute__((always_inline)) void weigh(const float *p, int64_t 
 }
 #else
 static void weigh(const float *p, int64_t ld, int ng, int64_t t, const float *v, int64_t d,
-                  float *o) {
+                  float *o, int64_t j0) {
     for (int g = 0; g < ng; g++) {
         float *og = o + g * d;
-        for (int64_t j = 0; j < d; j++) og[j] = 0.0f;
+        for (int64_t j = j0; j < d; j++) og[j] = 0.0f;
         for (int64_t i = 0; i < t; i++)
-            for (int64_t j = 0; j < d; j++) og[j] += p[g * ld + i] * v[i * d + j];
+            for (int64_t j = j0; j < d; j++) og[j] += p[g * ld + i] * v[i * d + j];
     }
 }
 #endif
@@ -537,6 +536,11 @@ static inline __attribute__((always_inline)) void scores(const float *q, int64_t
 #define STEP 1
 #endif
 
+#if defined(DISAGG_AVX2) && defined(__AVX512F__)
+#define KEY_BLOCKS 1
+#include "prompt_keys.h" /* prompt rows score against blocks of keys, 16 lanes wide */
+#endif
+
 /* score rows a kv head's query heads take at once: disagg_prompt_attention's scratch is
  * threads * this * (start + M) floats */
 int disagg_attention_step(void) { return STEP; }
@@ -546,12 +550,20 @@ int disagg_attention_step(void) { return STEP; }
  * into out (d apart). Every output is the same sequence of operations whatever NG and ld are:
  * a row's result depends on its query, its position and the cache alone. */
 static inline __attribute__((always_inline)) void attend_n(const float *q, const int NG,
-                                                           const float *k, const float *v,
-                                                           int64_t t, int64_t d, float scale,
-                                                           float *p, int64_t ld, float *out) {
-#ifdef DISAGG_AVX2
+                                                           const float *k, const float *kt,
+                                                           const float *v, int64_t t, int64_t d,
+                                                           float scale, float *p, int64_t ld,
+                                                           float *out) {
+#ifdef KEY_BLOCKS
+    if (kt)
+        blocks_scores(q, d, NG, kt, t, scale, p, ld);
+    else
+        scores(q, d, NG, k, t, scale, p, ld, v);
+#elif defined(DISAGG_AVX2)
+    (void)kt;
     scores(q, d, NG, k, t, scale, p, ld, v);
 #else
+    (void)kt;
     for (int g = 0; g < NG; g++)
         for (int64_t i = 0; i < t; i++) p[g * ld + i] = dot(q + g * d, k + i * d, d) * scale;
 #endif
@@ -563,17 +575,21 @@ static inline __attribute__((always_inline)) void attend_n(const float *q, const
     for (int64_t i = 0; i < t; i++)
         for (int g = 0; g < NG; g++) sum[g] += p[g * ld + i];
     for (int g = 0; g < NG; g++) normalize(p + g * ld, t, sum[g]);
-    weigh(p, ld, NG, t, v, d, out);
+#ifdef KEY_BLOCKS
+    weigh16(p, ld, NG, t, v, d, out); /* (decode rows too: the same bits as weigh's) */
+#else
+    weigh(p, ld, NG, t, v, d, out, 0);
+#endif
 }
 
 /* attend_n for ng heads, NG made a constant for the compiler (registers, unrolling) */
-static void attend(const float *q, int64_t ng, const float *k, const float *v, int64_t t,
-                   int64_t d, float scale, float *p, int64_t ld, float *out) {
+static void attend(const float *q, int64_t ng, const float *k, const float *kt, const float *v,
+                   int64_t t, int64_t d, float scale, float *p, int64_t ld, float *out) {
     switch (ng) {
-    case 1: attend_n(q, 1, k, v, t, d, scale, p, ld, out); break;
-    case 2: attend_n(q, 2, k, v, t, d, scale, p, ld, out); break;
-    case 3: attend_n(q, 3, k, v, t, d, scale, p, ld, out); break;
-    default: attend_n(q, 4, k, v, t, d, scale, p, ld, out); break;
+    case 1: attend_n(q, 1, k, kt, v, t, d, scale, p, ld, out); break;
+    case 2: attend_n(q, 2, k, kt, v, t, d, scale, p, ld, out); break;
+    case 3: attend_n(q, 3, k, kt, v, t, d, scale, p, ld, out); break;
+    default: attend_n(q, 4, k, kt, v, t, d, scale, p, ld, out); break;
     }
 }
 
@@ -591,31 +607,64 @@ void disagg_decode_attention(const float *qkv, int64_t m_rows, int64_t n_heads, 
         int64_t r = item / (n_kv * runs), kh = item / runs % n_kv, g0 = item % runs * step;
         int64_t ng = group - g0 < step ? group - g0 : step, h0 = kh * group + g0;
         int64_t at = (r * n_kv + kh) * max_len * d;
-        attend(qkv + r * width + h0 * d, ng, kcache + at, vcache + at, pos[r] + 1, d, scale,
-               scratch + (r * n_heads + h0) * max_len, max_len, out + (r * n_heads + h0) * d);
+        attend(qkv + r * width + h0 * d, ng, kcache + at, NULL, vcache + at, pos[r] + 1, d,
+               scale, scratch + (r * n_heads + h0) * max_len, max_len,
+               out + (r * n_heads + h0) * d);
     }
+}
+
+/* floats of disagg_prompt_attention's scratch: each thread's score rows (STEP of start + M),
+ * then with KEY_BLOCKS each kv head's keys in blocks */
+int64_t disagg_prompt_scratch(int64_t m_rows, int64_t start, int64_t n_kv, int64_t d,
+                              int threads) {
+    int64_t t = start + m_rows, rows = (int64_t)threads * STEP * t;
+#ifdef KEY_BLOCKS
+    rows += n_kv * (t + KB - 1) / KB * KB * d;
+#else
+    (void)n_kv, (void)d;
+#endif
+    return rows;
 }
 
 /* Prompt rows of one sequence: row r of q (rows q_ld floats apart, a row's heads d apart)
  * sits at position start + r and attends over positions 0..start + r of k, v (kv head kh at
  * kh * kv_ld * d, its positions d apart), with disagg_decode_attention's operations for a
  * row at that position: a prompt's rows get the same bits whole, in chunks of any size,
- * after a cached prefix, or as decode steps. out [M, H * D]; scratch: threads * STEP *
- * (start + M) floats. A kv head's rows are dealt out in turn (a row's work grows with its
- * position), so the threads read the same keys at the same time. */
+ * after a cached prefix, or as decode steps. out [M, H * D]; scratch: disagg_prompt_scratch
+ * floats; key_blocks 0: the keys as they lie, as decode reads them (the same bits, slower:
+ * for benchmarks and tests). A kv head's rows are dealt out in turn (a row's work grows with
+ * its position), so the threads read the same keys at the same time. */
 void disagg_prompt_attention(const float *q, int64_t q_ld, int64_t m_rows, int64_t start,
                              int64_t n_heads, int64_t n_kv, int64_t d, const float *k,
                              const float *v, int64_t kv_ld, float scale, float *out,
-                             float *scratch, int threads) {
+                             float *scratch, int threads, int key_blocks) {
     int64_t group = n_heads / n_kv, step = STEP, runs = (group + step - 1) / step;
     int64_t ld = start + m_rows;
-#pragma omp parallel for schedule(static, 1) num_threads(threads)
-    for (int64_t item = 0; item < n_kv * runs * m_rows; item++) {
-        int64_t r = item % m_rows, kh = item / m_rows / runs, g0 = item / m_rows % runs * step;
-        int64_t ng = group - g0 < step ? group - g0 : step, h0 = kh * group + g0;
-        float *p = scratch + (int64_t)THREAD_NUM() * step * ld;
-        attend(q + r * q_ld + h0 * d, ng, k + kh * kv_ld * d, v + kh * kv_ld * d, start + r + 1,
-               d, scale, p, ld, out + (r * n_heads + h0) * d);
+    float *kt = NULL; /* the keys in blocks (prompt_keys.h), kt_head floats a kv head */
+    int64_t kt_head = 0;
+#ifdef KEY_BLOCKS
+    int64_t blocks = key_blocks ? (ld + KB - 1) / KB : 0;
+    if (key_blocks) kt = scratch + (int64_t)threads * step * ld, kt_head = blocks * KB * d;
+#else
+    (void)key_blocks;
+#endif
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef KEY_BLOCKS
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < n_kv * blocks; item++)
+            key_block(k + item / blocks * kv_ld * d, ld, d, item % blocks,
+                      kt + item / blocks * kt_head);
+#endif
+#pragma omp for schedule(static, 1)
+        for (int64_t item = 0; item < n_kv * runs * m_rows; item++) {
+            int64_t r = item % m_rows, kh = item / m_rows / runs, g0 = item / m_rows % runs * step;
+            int64_t ng = group - g0 < step ? group - g0 : step, h0 = kh * group + g0;
+            float *p = scratch + (int64_t)THREAD_NUM() * step * ld;
+            const float *kth = kt ? kt + kh * kt_head : NULL;
+            attend(q + r * q_ld + h0 * d, ng, k + kh * kv_ld * d, kth, v + kh * kv_ld * d,
+                   start + r + 1, d, scale, p, ld, out + (r * n_heads + h0) * d);
+        }
     }
 }
 

@@ -48,7 +48,7 @@ PROMPT_ROWS = 8
 FORMATS = ("q4_0", "q4_1", "q8_0")
 # fp32 activations (qmatmul.c), int8-quantized ones (qdot.c), bf16 arithmetic (qbf16.c)
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("qmatmul.c", "qdot.c", "qbf16.c"))
-_HEADERS = (Path(__file__).with_name("qbf16_panel.h"),)  # part of the build key too
+_HEADERS = tuple(Path(__file__).with_name(n) for n in ("qbf16_panel.h", "prompt_keys.h"))
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -135,7 +135,10 @@ def _library() -> ctypes.CDLL | str:
     lib.disagg_decode_attention.argtypes += [_i64, f32, _ptr, _ptr, ctypes.c_int]
     lib.disagg_prompt_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr]
     lib.disagg_prompt_attention.argtypes += [_ptr, _i64, f32, _ptr, _ptr, ctypes.c_int]
+    lib.disagg_prompt_attention.argtypes += [ctypes.c_int]
     lib.disagg_attention_step.argtypes, lib.disagg_attention_step.restype = [], ctypes.c_int
+    lib.disagg_prompt_scratch.argtypes = [_i64, _i64, _i64, _i64, ctypes.c_int]
+    lib.disagg_prompt_scratch.restype = _i64
     lib.disagg_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
     lib.disagg_rope_rows.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int]
     lib.disagg_qdot_matmul.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _i64]
