@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Prompt attention (engine/qmatmul.c) with the keys in blocks (engine/prompt_keys.h, AVX-512)
-or read position by position as decode reads its cache: the same bits, checked here too.
+"""Prompt attention (engine/qmatmul.c) with the keys in blocks and the rows two by two
+(engine/prompt_keys.h, AVX-512), or the keys read position by position and the rows one by
+one, as decode reads its cache: the same bits, checked here too.
 
 Two tables, the two ways in turn, best of three each:
 - the kernel alone (SmolLM2's 9 heads, 3 kv heads, head_dim 64) on a whole causal prompt,

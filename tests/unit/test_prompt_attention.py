@@ -125,6 +125,8 @@ def test_rows_in_c_refuse_what_the_kernel_cannot_read():
     ("heads", "kv_heads", "d", "n", "start"),
     [
         (9, 3, 64, 50, 0),  # SmolLM2: three heads of a kv head scored together
+        (6, 3, 64, 9, 3),  # two a kv head; rows two by two from an odd position, one left
+        (3, 3, 64, 12, 0),  # one a kv head
         (8, 2, 64, 33, 0),  # four a kv head: scored two and two
         (4, 4, 24, 17, 0),  # one a kv head; a value row shorter than 64 lanes
         (6, 3, 72, 16, 5),  # after a cached prefix: 21 positions, a block and a part
@@ -132,8 +134,9 @@ def test_rows_in_c_refuse_what_the_kernel_cannot_read():
     ],
 )
 def test_key_blocks_give_the_keys_own_bits_at_every_shape(heads, kv_heads, d, n, start):
-    """Rows scored against blocks of keys (AVX-512) or position by position, as decode reads
-    the cache: one set of bits, at every block tail and head grouping; causal attention."""
+    """Rows scored against blocks of keys and attending two by two (AVX-512), or position by
+    position and one by one, as decode reads the cache: one set of bits, at every block tail
+    and head grouping; causal attention."""
     g = torch.Generator().manual_seed(heads * 100 + d)
     q = torch.randn(n, heads, d, generator=g)
     k, v = (torch.randn(kv_heads, start + n, d, generator=g) for _ in range(2))

@@ -66,27 +66,74 @@ static inline __attribute__((always_inline)) void blocks_scores(const float *q, 
 }
 
 /* weigh() 16 lanes wide: the same multiply, then add, for every output element, position by
- * position (a lane's arithmetic is its own), 64 elements of a value row in 4 registers */
+ * position (a lane's arithmetic is its own), 64 elements of a value row in 4 registers. G
+ * (<= 2 KH) heads' weights p (rows ld apart): heads g < NG0 out to o0 + g d, the rest (a
+ * second row's, weighed beside the first's: attend_pair) to o1 + (g - NG0) d. */
 static inline __attribute__((always_inline)) void weigh16(const float *p, int64_t ld,
-                                                          const int NG, int64_t t,
-                                                          const float *v, int64_t d, float *o) {
+                                                          const int G, const int NG0, int64_t t,
+                                                          const float *v, int64_t d, float *o0,
+                                                          float *o1) {
     int64_t j = 0;
     for (; j + 64 <= d; j += 64) {
-        __m512 acc[AG][4];
-        for (int g = 0; g < NG; g++)
+        __m512 acc[2 * KH][4];
+        for (int g = 0; g < G; g++)
             for (int u = 0; u < 4; u++) acc[g][u] = _mm512_setzero_ps();
         for (int64_t i = 0; i < t; i++) {
             const float *vi = v + i * d + j;
             __m512 vv[4];
             for (int u = 0; u < 4; u++) vv[u] = _mm512_loadu_ps(vi + 16 * u);
-            for (int g = 0; g < NG; g++) {
+            for (int g = 0; g < G; g++) {
                 __m512 w = _mm512_set1_ps(p[g * ld + i]);
                 for (int u = 0; u < 4; u++)
                     acc[g][u] = _mm512_add_ps(acc[g][u], _mm512_mul_ps(w, vv[u]));
             }
         }
-        for (int g = 0; g < NG; g++)
-            for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + g * d + j + 16 * u, acc[g][u]);
+        for (int g = 0; g < G; g++) {
+            float *o = g < NG0 ? o0 + g * d : o1 + (g - NG0) * d;
+            for (int u = 0; u < 4; u++) _mm512_storeu_ps(o + j + 16 * u, acc[g][u]);
+        }
     }
-    weigh(p, ld, NG, t, v, d, o, j); /* (the rest: 8 lanes wide) */
+    if (j < d) weigh(p, ld, NG0, t, v, d, o0, j); /* (the rest, 8 lanes wide: o0's heads) */
+}
+
+/* Two prompt rows at once: rows at positions t0 - 1 and t0 (t0 and t0 + 1 positions to
+ * attend over) with NG (<= KH) heads of one kv head, their 2 NG score rows in p (row 0's
+ * heads, then row 1's, ld apart). Each row gets attend_n's operations in attend_n's order;
+ * what the pair shares is the reading: the value rows are loaded once for both, and the
+ * softmax sums of 2 NG heads advance together (their dependent adds were a tenth of the
+ * kernel). d a multiple of 64. */
+static inline __attribute__((always_inline)) void attend_pair_n(
+    const float *q0, const float *q1, const int NG, const float *kt, const float *v, int64_t t0,
+    int64_t d, float scale, float *p, int64_t ld, float *out0, float *out1) {
+    const int G = 2 * NG;
+    blocks_scores(q0, d, NG, kt, t0, scale, p, ld);
+    blocks_scores(q1, d, NG, kt, t0 + 1, scale, p + NG * ld, ld);
+    float sum[2 * KH] = {0.0f};
+    for (int g = 0; g < G; g++) {
+        int64_t t = g < NG ? t0 : t0 + 1;
+        exp_shifted(p + g * ld, t, max_of(p + g * ld, t));
+    }
+    for (int64_t i = 0; i < t0; i++)
+        for (int g = 0; g < G; g++) sum[g] += p[g * ld + i];
+    for (int g = NG; g < G; g++) sum[g] += p[g * ld + t0];
+    for (int g = 0; g < G; g++) normalize(p + g * ld, g < NG ? t0 : t0 + 1, sum[g]);
+    weigh16(p, ld, G, NG, t0, v, d, out0, out1); /* both rows' heads over t0 positions */
+    const float *vl = v + t0 * d; /* then row 1's last position: the last add of its sums */
+    for (int g = NG; g < G; g++) {
+        __m512 w = _mm512_set1_ps(p[g * ld + t0]);
+        float *o = out1 + (g - NG) * d;
+        for (int64_t j = 0; j < d; j += 16)
+            _mm512_storeu_ps(o + j, _mm512_add_ps(_mm512_loadu_ps(o + j),
+                                                  _mm512_mul_ps(w, _mm512_loadu_ps(vl + j))));
+    }
+}
+
+static void attend_pair(const float *q0, const float *q1, int64_t ng, const float *kt,
+                        const float *v, int64_t t0, int64_t d, float scale, float *p, int64_t ld,
+                        float *out0, float *out1) {
+    switch (ng) {
+    case 1: attend_pair_n(q0, q1, 1, kt, v, t0, d, scale, p, ld, out0, out1); break;
+    case 2: attend_pair_n(q0, q1, 2, kt, v, t0, d, scale, p, ld, out0, out1); break;
+    default: attend_pair_n(q0, q1, 3, kt, v, t0, d, scale, p, ld, out0, out1); break;
+    }
 }

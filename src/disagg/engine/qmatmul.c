@@ -576,7 +576,7 @@ static inline __attribute__((always_inline)) void attend_n(const float *q, const
         for (int g = 0; g < NG; g++) sum[g] += p[g * ld + i];
     for (int g = 0; g < NG; g++) normalize(p + g * ld, t, sum[g]);
 #ifdef KEY_BLOCKS
-    weigh16(p, ld, NG, t, v, d, out); /* (decode rows too: the same bits as weigh's) */
+    weigh16(p, ld, NG, NG, t, v, d, out, NULL); /* (decode rows too: weigh's bits) */
 #else
     weigh(p, ld, NG, t, v, d, out, 0);
 #endif
@@ -613,11 +613,11 @@ void disagg_decode_attention(const float *qkv, int64_t m_rows, int64_t n_heads, 
     }
 }
 
-/* floats of disagg_prompt_attention's scratch: each thread's score rows (STEP of start + M),
- * then with KEY_BLOCKS each kv head's keys in blocks */
+/* floats of disagg_prompt_attention's scratch: each thread's score rows (2 STEP of start +
+ * M: two rows' heads), then with KEY_BLOCKS each kv head's keys in blocks */
 int64_t disagg_prompt_scratch(int64_t m_rows, int64_t start, int64_t n_kv, int64_t d,
                               int threads) {
-    int64_t t = start + m_rows, rows = (int64_t)threads * STEP * t;
+    int64_t t = start + m_rows, rows = (int64_t)threads * 2 * STEP * t;
 #ifdef KEY_BLOCKS
     rows += n_kv * (t + KB - 1) / KB * KB * d;
 #else
@@ -639,12 +639,12 @@ void disagg_prompt_attention(const float *q, int64_t q_ld, int64_t m_rows, int64
                              const float *v, int64_t kv_ld, float scale, float *out,
                              float *scratch, int threads, int key_blocks) {
     int64_t group = n_heads / n_kv, step = STEP, runs = (group + step - 1) / step;
-    int64_t ld = start + m_rows;
+    int64_t ld = start + m_rows, pairs = (m_rows + 1) / 2; /* rows go out two by two */
     float *kt = NULL; /* the keys in blocks (prompt_keys.h), kt_head floats a kv head */
     int64_t kt_head = 0;
 #ifdef KEY_BLOCKS
     int64_t blocks = key_blocks ? (ld + KB - 1) / KB : 0;
-    if (key_blocks) kt = scratch + (int64_t)threads * step * ld, kt_head = blocks * KB * d;
+    if (key_blocks) kt = scratch + (int64_t)threads * 2 * step * ld, kt_head = blocks * KB * d;
 #else
     (void)key_blocks;
 #endif
@@ -657,13 +657,22 @@ void disagg_prompt_attention(const float *q, int64_t q_ld, int64_t m_rows, int64
                       kt + item / blocks * kt_head);
 #endif
 #pragma omp for schedule(static, 1)
-        for (int64_t item = 0; item < n_kv * runs * m_rows; item++) {
-            int64_t r = item % m_rows, kh = item / m_rows / runs, g0 = item / m_rows % runs * step;
+        for (int64_t item = 0; item < n_kv * runs * pairs; item++) {
+            int64_t r = item % pairs * 2, kh = item / pairs / runs, g0 = item / pairs % runs * step;
             int64_t ng = group - g0 < step ? group - g0 : step, h0 = kh * group + g0;
-            float *p = scratch + (int64_t)THREAD_NUM() * step * ld;
-            const float *kth = kt ? kt + kh * kt_head : NULL;
-            attend(q + r * q_ld + h0 * d, ng, k + kh * kv_ld * d, kth, v + kh * kv_ld * d,
-                   start + r + 1, d, scale, p, ld, out + (r * n_heads + h0) * d);
+            float *p = scratch + (int64_t)THREAD_NUM() * 2 * step * ld;
+            const float *qr = q + r * q_ld + h0 * d, *vh = v + kh * kv_ld * d;
+            float *o = out + (r * n_heads + h0) * d;
+#ifdef KEY_BLOCKS
+            if (kt && r + 1 < m_rows && ng <= KH && d % 64 == 0) { /* rows r and r + 1 */
+                attend_pair(qr, qr + q_ld, ng, kt + kh * kt_head, vh, start + r + 1, d, scale, p,
+                            ld, o, o + n_heads * d);
+                continue;
+            }
+#endif
+            for (int64_t row = r; row < r + 2 && row < m_rows; row++)
+                attend(qr + (row - r) * q_ld, ng, k + kh * kv_ld * d, kt ? kt + kh * kt_head : NULL,
+                       vh, start + row + 1, d, scale, p, ld, o + (row - r) * n_heads * d);
         }
     }
 }
