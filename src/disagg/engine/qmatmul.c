@@ -531,7 +531,7 @@ static inline __attribute__((always_inline)) void scores(const float *q, int64_t
 #endif
 
 #ifdef DISAGG_AVX2
-#define STEP AG
+#define STEP AG /* query heads of a kv head an item of the attention loops takes */
 #else
 #define STEP 1
 #endif
@@ -540,10 +540,6 @@ static inline __attribute__((always_inline)) void scores(const float *q, int64_t
 #define KEY_BLOCKS 1
 #include "prompt_keys.h" /* prompt rows score against blocks of keys, 16 lanes wide */
 #endif
-
-/* score rows a kv head's query heads take at once: disagg_prompt_attention's scratch is
- * threads * this * (start + M) floats */
-int disagg_attention_step(void) { return STEP; }
 
 /* NG (<= STEP) query heads of one kv head (q: theirs, d apart) attend over positions 0..t-1
  * of its keys and values k, v [t, d]: scores into p (NG rows ld apart), the heads' outputs

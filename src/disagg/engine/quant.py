@@ -136,7 +136,6 @@ def _library() -> ctypes.CDLL | str:
     lib.disagg_prompt_attention.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr]
     lib.disagg_prompt_attention.argtypes += [_ptr, _i64, f32, _ptr, _ptr, ctypes.c_int]
     lib.disagg_prompt_attention.argtypes += [ctypes.c_int]
-    lib.disagg_attention_step.argtypes, lib.disagg_attention_step.restype = [], ctypes.c_int
     lib.disagg_prompt_scratch.argtypes = [_i64, _i64, _i64, _i64, ctypes.c_int]
     lib.disagg_prompt_scratch.restype = _i64
     lib.disagg_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
