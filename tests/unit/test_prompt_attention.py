@@ -9,6 +9,7 @@ from itertools import pairwise
 import pytest
 import torch
 
+from disagg.cpuinfo import cpu_flags
 from disagg.engine import quant
 from disagg.engine.config import PROMPT_ATTN_ROWS, aligned_chunk
 from disagg.engine.layers import attention_in_c, prompt_attention
@@ -131,6 +132,8 @@ def test_rows_in_c_refuse_what_the_kernel_cannot_read():
         (4, 4, 24, 17, 0),  # one a kv head; a value row shorter than 64 lanes
         (6, 3, 72, 16, 5),  # after a cached prefix: 21 positions, a block and a part
         (2, 1, 80, 1, 14),  # one row at position 14: 64 lanes and 16 more
+        (9, 3, 128, 20, 0),  # head_dim 128: a value row in two passes of 64 lanes
+        (12, 2, 64, 19, 7),  # six a kv head: runs of four and two, the second from head 4
     ],
 )
 def test_key_blocks_give_the_keys_own_bits_at_every_shape(heads, kv_heads, d, n, start):
@@ -142,9 +145,22 @@ def test_key_blocks_give_the_keys_own_bits_at_every_shape(heads, kv_heads, d, n,
     k, v = (torch.randn(kv_heads, start + n, d, generator=g) for _ in range(2))
     blocks = attention_in_c(q, k, v, start, 0.125, key_blocks=True)
     assert torch.equal(blocks, attention_in_c(q, k, v, start, 0.125, key_blocks=False))
+    threads = torch.get_num_threads()
+    try:  # each thread its own score rows: other counts, other splits, the same bits
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            assert torch.equal(blocks, attention_in_c(q, k, v, start, 0.125)), n_threads
+    finally:
+        torch.set_num_threads(threads)
     group = heads // kv_heads
     kk, vv = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
     s = torch.einsum("qhd,hkd->hqk", q, kk) * 0.125
     visible = torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
     want = torch.einsum("hqk,hkd->qhd", s.masked_fill(~visible, float("-inf")).softmax(-1), vv)
     torch.testing.assert_close(blocks.view(n, heads, d), want, rtol=1e-5, atol=1e-5)
+
+
+def test_key_blocks_are_built_where_the_cpu_has_avx512():
+    """Else the test above compares a path with itself."""
+    has = "avx512f" in cpu_flags().split()
+    assert quant.library().disagg_prompt_key_blocks() == int(has)

@@ -3,8 +3,8 @@
  *
  * Why: scores() gives each (row, position) an 8-lane accumulator of q_j k_j (lane l takes
  * j = l, l + 8, ... in order) and folds it with hsum8: 6 operations a score beside its 8
- * fmas, 8 loads against 6 fmas, 6 chains of dependent fmas in flight; half of a long
- * prompt's attention. A prompt's rows all read the same keys, so here each kv head's keys
+ * fmas, 8 loads against 6 fmas (as compiled: each fma read its q from memory), 6 chains of
+ * dependent fmas in flight; half of a long prompt's attention. A prompt's rows all read the same keys, so here each kv head's keys
  * are laid out once a call in blocks of KB positions, element j of KB positions in one
  * register: lane l's chain runs for KB positions at once (q_j broadcast against the block's
  * element j), 24 chains in flight, and the fold adds whole registers in hsum8's order. Every
@@ -12,6 +12,10 @@
  * bits (tests/unit/test_prompt_attention.py holds them to decode steps bit for bit). */
 #define KB 16 /* positions a key block holds: one zmm */
 #define KH 3  /* query heads scored together: KH x 8 accumulators (of 32 zmm) */
+/* From this many rows a call lays the keys out: it lays out all start + M positions of every
+ * kv head, which after 1,500 cached positions cost 1.7x one row's attention alone and broke
+ * even between 4 and 8 rows (1.13x faster at 8, 1.35x at 16) */
+#define KB_ROWS 8
 
 /* block b of kt [blocks][d][KB]: positions b KB .. b KB + KB - 1 of k (positions d apart),
  * element-major (element j of the KB positions together), zeros from position t on */

@@ -440,7 +440,8 @@ static void normalize(float *p, int64_t t, float sum) {
 static inline __attribute__((always_inline)) void weigh(const float *p, int64_t ld, const int NG,
                                                         int64_t t, const float *v, int64_t d,
                                                         float *o, int64_t j) {
-    for (; j + 32 <= d; j += 32) { /* (elements j.. : those before j are the caller's) */ /* 32 of each head's o in registers over all the positions */
+    /* (from element j on: those before j are the caller's) */
+    for (; j + 32 <= d; j += 32) { /* 32 of each head's o in registers over all the positions */
         __m256 acc[AG][4];
         for (int g = 0; g < NG; g++)
             for (int u = 0; u < 4; u++) acc[g][u] = _mm256_setzero_ps();
@@ -609,13 +610,22 @@ void disagg_decode_attention(const float *qkv, int64_t m_rows, int64_t n_heads, 
     }
 }
 
+/* whether prompt rows take the key blocks (prompt_keys.h) in this build */
+int disagg_prompt_key_blocks(void) {
+#ifdef KEY_BLOCKS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* floats of disagg_prompt_attention's scratch: each thread's score rows (2 STEP of start +
- * M: two rows' heads), then with KEY_BLOCKS each kv head's keys in blocks */
+ * M, room for two rows' heads), then with KEY_BLOCKS each kv head's keys in blocks */
 int64_t disagg_prompt_scratch(int64_t m_rows, int64_t start, int64_t n_kv, int64_t d,
                               int threads) {
     int64_t t = start + m_rows, rows = (int64_t)threads * 2 * STEP * t;
 #ifdef KEY_BLOCKS
-    rows += n_kv * (t + KB - 1) / KB * KB * d;
+    rows += n_kv * ((t + KB - 1) / KB * KB) * d;
 #else
     (void)n_kv, (void)d;
 #endif
@@ -639,6 +649,7 @@ void disagg_prompt_attention(const float *q, int64_t q_ld, int64_t m_rows, int64
     float *kt = NULL; /* the keys in blocks (prompt_keys.h), kt_head floats a kv head */
     int64_t kt_head = 0;
 #ifdef KEY_BLOCKS
+    key_blocks = key_blocks && m_rows >= KB_ROWS;
     int64_t blocks = key_blocks ? (ld + KB - 1) / KB : 0;
     if (key_blocks) kt = scratch + (int64_t)threads * 2 * step * ld, kt_head = blocks * KB * d;
 #else

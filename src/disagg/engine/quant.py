@@ -138,6 +138,7 @@ def _library() -> ctypes.CDLL | str:
     lib.disagg_prompt_attention.argtypes += [ctypes.c_int]
     lib.disagg_prompt_scratch.argtypes = [_i64, _i64, _i64, _i64, ctypes.c_int]
     lib.disagg_prompt_scratch.restype = _i64
+    lib.disagg_prompt_key_blocks.argtypes, lib.disagg_prompt_key_blocks.restype = [], ctypes.c_int
     lib.disagg_silu_mul.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
     lib.disagg_rope_rows.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, ctypes.c_int]
     lib.disagg_qdot_matmul.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, ctypes.c_int, _i64]
