@@ -4,12 +4,13 @@
  * Why: scores() gives each (row, position) an 8-lane accumulator of q_j k_j (lane l takes
  * j = l, l + 8, ... in order) and folds it with hsum8: 6 operations a score beside its 8
  * fmas, 8 loads against 6 fmas (as compiled: each fma read its q from memory), 6 chains of
- * dependent fmas in flight; half of a long prompt's attention. A prompt's rows all read the same keys, so here each kv head's keys
- * are laid out once a call in blocks of KB positions, element j of KB positions in one
- * register: lane l's chain runs for KB positions at once (q_j broadcast against the block's
- * element j), 24 chains in flight, and the fold adds whole registers in hsum8's order. Every
- * score is the same sequence of operations as in scores(), so prompt rows keep decode rows'
- * bits (tests/unit/test_prompt_attention.py holds them to decode steps bit for bit). */
+ * dependent fmas in flight; half of a long prompt's attention. A prompt's rows all read the
+ * same keys, so here each kv head's keys are laid out once a call in blocks of KB positions,
+ * element j of KB positions in one register: lane l's chain runs for KB positions at once
+ * (q_j broadcast against the block's element j), 24 chains in flight, and the fold adds
+ * whole registers in hsum8's order. Every score is the same sequence of operations as in
+ * scores(), so prompt rows keep decode rows' bits (tests/unit/test_prompt_attention.py holds
+ * them to decode steps bit for bit). */
 #define KB 16 /* positions a key block holds: one zmm */
 #define KH 3  /* query heads scored together: KH x 8 accumulators (of 32 zmm) */
 /* From this many rows a call lays the keys out: it lays out all start + M positions of every
@@ -48,10 +49,12 @@ static inline __attribute__((always_inline)) void block_scores(const float *q, i
             }
         __mmask16 keep = t - i >= KB ? (__mmask16)0xFFFF : (__mmask16)((1u << (t - i)) - 1);
         for (int g = 0; g < NG; g++) {
-            const __m512 *a = acc[g]; /* hsum8: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) */
+            /* hsum8's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) */
+            const __m512 *a = acc[g];
             __m512 even = _mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6]));
             __m512 odd = _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7]));
-            _mm512_mask_storeu_ps(p + g * ld + i, keep, _mm512_mul_ps(_mm512_add_ps(even, odd), sc));
+            __m512 score = _mm512_mul_ps(_mm512_add_ps(even, odd), sc);
+            _mm512_mask_storeu_ps(p + g * ld + i, keep, score);
         }
     }
 }
@@ -112,15 +115,7 @@ static inline __attribute__((always_inline)) void attend_pair_n(
     const int G = 2 * NG;
     blocks_scores(q0, d, NG, kt, t0, scale, p, ld);
     blocks_scores(q1, d, NG, kt, t0 + 1, scale, p + NG * ld, ld);
-    float sum[2 * KH] = {0.0f};
-    for (int g = 0; g < G; g++) {
-        int64_t t = g < NG ? t0 : t0 + 1;
-        exp_shifted(p + g * ld, t, max_of(p + g * ld, t));
-    }
-    for (int64_t i = 0; i < t0; i++)
-        for (int g = 0; g < G; g++) sum[g] += p[g * ld + i];
-    for (int g = NG; g < G; g++) sum[g] += p[g * ld + t0];
-    for (int g = 0; g < G; g++) normalize(p + g * ld, g < NG ? t0 : t0 + 1, sum[g]);
+    softmax_rows(p, ld, G, NG, t0, 1);
     weigh16(p, ld, G, NG, t0, v, d, out0, out1); /* both rows' heads over t0 positions */
     const float *vl = v + t0 * d; /* then row 1's last position: the last add of its sums */
     for (int g = NG; g < G; g++) {

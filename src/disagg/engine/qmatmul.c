@@ -537,6 +537,25 @@ static inline __attribute__((always_inline)) void scores(const float *q, int64_t
 #define STEP 1
 #endif
 
+/* Each of G score rows (ld apart) made its softmax in place: e^(score - max), then its sum,
+ * in position order, then the division. Rows g < NG0 hold t positions, the others t + more
+ * (more 1: a second prompt row, one position on: attend_pair). The rows' sums advance
+ * together (one chain of t dependent adds per head was a quarter of a long prompt's
+ * attention, waiting on each add); a row's last position is its sum's last add. */
+static inline __attribute__((always_inline)) void softmax_rows(float *p, int64_t ld, const int G,
+                                                               const int NG0, int64_t t,
+                                                               const int more) {
+    float sum[2 * AG] = {0.0f};
+    for (int g = 0; g < G; g++) {
+        int64_t tg = g < NG0 ? t : t + more;
+        exp_shifted(p + g * ld, tg, max_of(p + g * ld, tg));
+    }
+    for (int64_t i = 0; i < t; i++)
+        for (int g = 0; g < G; g++) sum[g] += p[g * ld + i];
+    for (int g = NG0; g < G && more; g++) sum[g] += p[g * ld + t];
+    for (int g = 0; g < G; g++) normalize(p + g * ld, g < NG0 ? t : t + more, sum[g]);
+}
+
 #if defined(DISAGG_AVX2) && defined(__AVX512F__)
 #define KEY_BLOCKS 1
 #include "prompt_keys.h" /* prompt rows score against blocks of keys, 16 lanes wide */
@@ -564,14 +583,7 @@ static inline __attribute__((always_inline)) void attend_n(const float *q, const
     for (int g = 0; g < NG; g++)
         for (int64_t i = 0; i < t; i++) p[g * ld + i] = dot(q + g * d, k + i * d, d) * scale;
 #endif
-    /* each head's softmax: e^(score - max), then its sum, in position order; the heads' sums
-     * advance together (one chain of t dependent adds per head was a quarter of a long
-     * prompt's attention, waiting on each add) */
-    float sum[AG] = {0.0f};
-    for (int g = 0; g < NG; g++) exp_shifted(p + g * ld, t, max_of(p + g * ld, t));
-    for (int64_t i = 0; i < t; i++)
-        for (int g = 0; g < NG; g++) sum[g] += p[g * ld + i];
-    for (int g = 0; g < NG; g++) normalize(p + g * ld, t, sum[g]);
+    softmax_rows(p, ld, NG, NG, t, 0);
 #ifdef KEY_BLOCKS
     weigh16(p, ld, NG, NG, t, v, d, out, NULL); /* (decode rows too: weigh's bits) */
 #else
@@ -645,7 +657,7 @@ void disagg_prompt_attention(const float *q, int64_t q_ld, int64_t m_rows, int64
                              const float *v, int64_t kv_ld, float scale, float *out,
                              float *scratch, int threads, int key_blocks) {
     int64_t group = n_heads / n_kv, step = STEP, runs = (group + step - 1) / step;
-    int64_t ld = start + m_rows, pairs = (m_rows + 1) / 2; /* rows go out two by two */
+    int64_t ld = start + m_rows;
     float *kt = NULL; /* the keys in blocks (prompt_keys.h), kt_head floats a kv head */
     int64_t kt_head = 0;
 #ifdef KEY_BLOCKS
@@ -655,6 +667,8 @@ void disagg_prompt_attention(const float *q, int64_t q_ld, int64_t m_rows, int64
 #else
     (void)key_blocks;
 #endif
+    /* rows an item takes: two where they can attend as a pair (attend_pair), else one */
+    int64_t per = kt && d % 64 == 0 ? 2 : 1, items = (m_rows + per - 1) / per;
 #pragma omp parallel num_threads(threads)
     {
 #ifdef KEY_BLOCKS
@@ -664,20 +678,21 @@ void disagg_prompt_attention(const float *q, int64_t q_ld, int64_t m_rows, int64
                       kt + item / blocks * kt_head);
 #endif
 #pragma omp for schedule(static, 1)
-        for (int64_t item = 0; item < n_kv * runs * pairs; item++) {
-            int64_t r = item % pairs * 2, kh = item / pairs / runs, g0 = item / pairs % runs * step;
+        for (int64_t item = 0; item < n_kv * runs * items; item++) {
+            int64_t r = item % items * per, kh = item / items / runs;
+            int64_t g0 = item / items % runs * step;
             int64_t ng = group - g0 < step ? group - g0 : step, h0 = kh * group + g0;
             float *p = scratch + (int64_t)THREAD_NUM() * 2 * step * ld;
             const float *qr = q + r * q_ld + h0 * d, *vh = v + kh * kv_ld * d;
             float *o = out + (r * n_heads + h0) * d;
 #ifdef KEY_BLOCKS
-            if (kt && r + 1 < m_rows && ng <= KH && d % 64 == 0) { /* rows r and r + 1 */
+            if (per == 2 && r + 1 < m_rows && ng <= KH) { /* rows r and r + 1 */
                 attend_pair(qr, qr + q_ld, ng, kt + kh * kt_head, vh, start + r + 1, d, scale, p,
                             ld, o, o + n_heads * d);
                 continue;
             }
 #endif
-            for (int64_t row = r; row < r + 2 && row < m_rows; row++)
+            for (int64_t row = r; row < r + per && row < m_rows; row++)
                 attend(qr + (row - r) * q_ld, ng, k + kh * kv_ld * d, kt ? kt + kh * kt_head : NULL,
                        vh, start + row + 1, d, scale, p, ld, o + (row - r) * n_heads * d);
         }
